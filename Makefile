@@ -1,0 +1,32 @@
+# Two commands for a fresh machine:  make demo   |   make test
+# Both create .venv, install the pinned dependencies and build the tiny checkpoint first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.zipmoe-installed
+CHECKPOINT ?= checkpoints/tiny
+PYTEST_ARGS ?=
+
+.PHONY: install checkpoint demo test test-gpu clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+checkpoint: $(STAMP)
+	$(PY) -m zipmoe.build.tiny_checkpoint --out $(CHECKPOINT)
+
+demo: checkpoint
+	$(VENV)/bin/zipmoe demo --checkpoint $(CHECKPOINT)
+
+test: checkpoint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: checkpoint
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(CHECKPOINT)

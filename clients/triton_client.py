@@ -1,0 +1,121 @@
+"""Clients of the `mm_qa` interface: gRPC streaming and HTTP (`generate` / `generate_stream`).
+
+Each call yields one dict per server response: `text_output` (the text delta when streaming,
+the whole answer otherwise), `input_token_count`, `output_token_count`, `finish_reason`.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from typing import Iterator
+
+import numpy as np
+
+# name -> (Triton datatype, numpy dtype); STRING inputs are lists of str/bytes.
+INPUTS = {
+    "text_input": ("BYTES", np.object_),
+    "images": ("BYTES", np.object_),
+    "max_tokens": ("INT32", np.int32),
+    "stream": ("BOOL", np.bool_),
+    "temperature": ("FP32", np.float32),
+    "top_p": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32),
+    "random_seed": ("UINT64", np.uint64),
+    "stop_words": ("BYTES", np.object_),
+    "ignore_eos": ("BOOL", np.bool_),
+}
+LIST_INPUTS = {"images", "stop_words"}
+
+
+class ServerError(RuntimeError):
+    """The server answered the request with an error."""
+
+
+def _array(name: str, value) -> np.ndarray:
+    _, dtype = INPUTS[name]
+    values = list(value) if name in LIST_INPUTS else [value]
+    if dtype is np.object_:
+        values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+    return np.asarray(values, dtype=dtype)
+
+
+def _decode(outputs: dict) -> dict:
+    result = {}
+    for name, arr in outputs.items():
+        v = arr.reshape(-1)[0] if arr.size else None
+        result[name] = v.decode("utf-8") if isinstance(v, bytes) else (None if v is None else v.item())
+    return result
+
+
+def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> Iterator[dict]:
+    """Streams responses over gRPC (bidirectional stream; works for stream=True and False)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, value in inputs.items():
+        arr = _array(name, value)
+        t = grpcclient.InferInput(name, list(arr.shape), INPUTS[name][0])
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise ServerError(str(error))
+            response = result.get_response()
+            final = response.parameters.get("triton_final_response")
+            if response.outputs:
+                yield _decode({o.name: result.as_numpy(o.name) for o in response.outputs})
+            if final is not None and final.bool_param:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _http_body(inputs: dict) -> bytes:
+    body = {}
+    for name, value in inputs.items():
+        arr = _array(name, value)
+        items = [v.decode("utf-8") for v in arr] if arr.dtype == np.object_ else arr.tolist()
+        body[name] = items if name in LIST_INPUTS else items[0]
+    return json.dumps(body).encode("utf-8")
+
+
+def _http_result(obj: dict) -> dict:
+    if "error" in obj:
+        raise ServerError(obj["error"])
+    keep = ("text_output", "input_token_count", "output_token_count", "finish_reason")
+    return {k: (obj[k][0] if isinstance(obj.get(k), list) else obj.get(k)) for k in keep if k in obj}
+
+
+def http_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> dict:
+    """One non-streamed answer through Triton's HTTP generate endpoint."""
+    inputs = {**inputs, "stream": False}
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate", data=_http_body(inputs),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return _http_result(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        raise ServerError(json.loads(e.read() or b"{}").get("error", str(e))) from None
+
+
+def http_generate_stream(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> Iterator[dict]:
+    """Server-sent events from Triton's HTTP generate_stream endpoint."""
+    inputs = {**inputs, "stream": True}
+    req = urllib.request.Request(f"http://{url}/v2/models/{model}/generate_stream", data=_http_body(inputs),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                if line.startswith(b"data:"):
+                    yield _http_result(json.loads(line[5:]))
+    except urllib.error.HTTPError as e:
+        raise ServerError(json.loads(e.read() or b"{}").get("error", str(e))) from None

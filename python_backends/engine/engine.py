@@ -1,0 +1,126 @@
+"""The engine: validated requests in, one token per running sequence out, every step."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import TensorStore, TextConfig
+from .kv_cache import BlockManager, KVCache
+from .model import Qwen3VLMoeTextDecoder
+from .moe import make_policy
+from .runner import ModelRunner
+from .sampler import make_generator
+from .scheduler import Scheduler
+from .sequence import FinishReason, SamplingParams, Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    max_tokens_cap: int = 1024
+    routing_policy: str = "topk"
+
+    def validate(self, text: TextConfig) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if self.max_model_len > text.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} > the model's {text.max_position_embeddings}")
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError("num_kv_blocks * block_size must hold at least one max_model_len sequence")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len (a full prompt is one prefill)")
+        if self.max_tokens_cap < 1:
+            raise ValueError("max_tokens_cap must be >= 1")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message is meant for the client."""
+
+
+class LLMEngine:
+    def __init__(self, checkpoint: str | Path, config: EngineConfig):
+        self.config = config
+        self.text = TextConfig.from_dir(checkpoint)
+        config.validate(self.text)
+        device = torch.device(config.device)
+        dtype = DTYPES[config.dtype]
+        store = TensorStore(checkpoint)
+        self.model = Qwen3VLMoeTextDecoder(self.text, store, dtype, device, make_policy(config.routing_policy))
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        kv = KVCache(self.text.num_layers, config.num_kv_blocks, config.block_size, self.text.num_kv_heads,
+                     self.text.head_dim, dtype, device)
+        self.runner = ModelRunner(self.model, kv, self.blocks)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos = set(self.text.eos_token_ids)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, opt_out: bool = False) -> Sequence:
+        self.check_request(prompt_ids, params)
+        seq = Sequence(next(self._ids), list(prompt_ids), params, opt_out=opt_out, arrival=time.monotonic())
+        if not params.greedy:
+            seq.generator = make_generator(params.seed, self.model.device)
+        self.scheduler.add(seq)
+        return seq
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        cfg = self.config
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= cfg.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {cfg.max_model_len} "
+                               "(prompt + at least one generated token)")
+        bad = [t for t in prompt_ids if not 0 <= t < self.text.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.text.vocab_size})")
+        if not 1 <= params.max_tokens <= cfg.max_tokens_cap:
+            raise RequestError(f"max_tokens must be in [1, {cfg.max_tokens_cap}], got {params.max_tokens}")
+        if params.temperature < 0 or params.temperature != params.temperature:
+            raise RequestError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq, FinishReason.CANCELLED)
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        """One prefill or decode step; returns (sequence, new token) for each sequence that ran.
+
+        Sequences that finished in this step have `finished` set and their blocks already freed.
+        """
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        tokens = self.runner.run(seqs, is_prefill)
+        now = time.monotonic()
+        for seq, tok in zip(seqs, tokens):
+            seq.num_cached = len(seq)
+            seq.output_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if tok in self.eos and not seq.params.ignore_eos:
+                self.scheduler.finish(seq, FinishReason.EOS)
+            elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+        return list(zip(seqs, tokens))
+
+    def finish_stopped(self, seq: Sequence) -> None:
+        """Called by the caller's text stream when a stop string appeared."""
+        self.scheduler.finish(seq, FinishReason.STOP)

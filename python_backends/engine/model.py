@@ -1,0 +1,150 @@
+"""Qwen3-VL-MoE text decoder over a paged KV cache.
+
+Tokens of all sequences in a step are packed along one axis [T, hidden]. Prefill runs
+causal attention inside each sequence's segment and writes its K/V into the cache;
+decode gathers each sequence's K/V from the cache by slot. Weights are read from the
+Hugging Face checkpoint by name (`model.language_model.*`, `lm_head.weight`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
+from .kv_cache import KVCache
+from .moe import RoutingPolicy, experts_reference, route_topk
+from .rope import MRope, apply_rope
+
+
+@dataclass
+class StepInputs:
+    """What one forward needs besides token ids; built by the runner."""
+    positions: torch.Tensor  # [3, T] (t, h, w) mRoPE positions
+    slots: torch.Tensor  # [T] cache slot each token's K/V is written to
+    is_prefill: bool
+    seq_lens: list[int]  # prefill: tokens per sequence (segments of the packed axis)
+    gather_slots: torch.Tensor | None = None  # decode: [B, max_ctx] cache slots of each context
+    context_lens: torch.Tensor | None = None  # decode: [B]
+    opt_out: torch.Tensor | None = None  # decode: [B] bool, tokens that keep their top-K
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as transformers: normalise in float32, scale in the input dtype.
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class Layer:
+    def __init__(self, idx: int, cfg: TextConfig, store: TensorStore, dtype: torch.dtype, device: torch.device):
+        p = f"{TEXT_PREFIX}layers.{idx}."
+
+        def w(name: str) -> torch.Tensor:
+            return store.get(p + name).to(device=device, dtype=dtype)
+
+        self.idx = idx
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+        self.q = w("self_attn.q_proj.weight")
+        self.k = w("self_attn.k_proj.weight")
+        self.v = w("self_attn.v_proj.weight")
+        self.o = w("self_attn.o_proj.weight")
+        self.q_norm = w("self_attn.q_norm.weight")
+        self.k_norm = w("self_attn.k_norm.weight")
+        self.is_moe = cfg.moe_layers[idx]
+        if self.is_moe:
+            E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+            self.gate = w("mlp.gate.weight")
+            self.gate_up = _expert_layout(w("mlp.experts.gate_up_proj"), (E, 2 * I, H))
+            self.down = _expert_layout(w("mlp.experts.down_proj"), (E, H, I))
+        else:
+            self.mlp_gate = w("mlp.gate_proj.weight")
+            self.mlp_up = w("mlp.up_proj.weight")
+            self.mlp_down = w("mlp.down_proj.weight")
+
+
+def _expert_layout(t: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
+    """Fused experts are [E, out, in]; checkpoints saved by transformers < 5 hold [E, in, out].
+
+    Like transformers' own loader, a tensor already of the expected shape is taken as is.
+    """
+    if tuple(t.shape) == expected:
+        return t
+    if tuple(t.transpose(1, 2).shape) == expected:
+        return t.transpose(1, 2).contiguous()
+    raise ValueError(f"expert tensor of shape {tuple(t.shape)}, expected {expected}")
+
+
+class Qwen3VLMoeTextDecoder:
+    def __init__(self, cfg: TextConfig, store: TensorStore, dtype: torch.dtype, device: torch.device,
+                 policy: RoutingPolicy):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.policy = policy
+        self.embed = store.get(TEXT_PREFIX + "embed_tokens.weight").to(device=device, dtype=dtype)
+        self.norm = store.get(TEXT_PREFIX + "norm.weight").to(device=device, dtype=dtype)
+        if cfg.tie_word_embeddings or "lm_head.weight" not in store:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = store.get("lm_head.weight").to(device=device, dtype=dtype)
+        self.layers = [Layer(i, cfg, store, dtype, device) for i in range(cfg.num_layers)]
+        self.rope = MRope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: StepInputs, kv: KVCache,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(step.positions, self.dtype)
+        for layer in self.layers:
+            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), cos, sin, step, kv)
+            x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
+            h = h + (self._moe(layer, x, step) if layer.is_moe else self._mlp(layer, x))
+        h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, layer: Layer, x, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q = rms_norm(F.linear(x, layer.q).view(T, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(F.linear(x, layer.k).view(T, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+        v = F.linear(x, layer.v).view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.k[layer.idx, step.slots] = k
+        kv.v[layer.idx, step.slots] = v
+        if step.is_prefill:
+            out = torch.empty_like(q)
+            start = 0
+            for n in step.seq_lens:
+                seg = slice(start, start + n)
+                # [1, heads, n, d]; the segment is the whole sequence, so plain causal attention.
+                o = F.scaled_dot_product_attention(
+                    q[seg].transpose(0, 1)[None], k[seg].transpose(0, 1)[None], v[seg].transpose(0, 1)[None],
+                    is_causal=True, scale=self.scale, enable_gqa=True)
+                out[seg] = o[0].transpose(0, 1)
+                start += n
+        else:
+            keys = kv.k[layer.idx][step.gather_slots]  # [B, L, kvh, d]
+            vals = kv.v[layer.idx][step.gather_slots]
+            L = keys.shape[1]
+            mask = torch.arange(L, device=x.device)[None, :] < step.context_lens[:, None]  # [B, L]
+            o = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True)  # [B, heads, 1, d]
+            out = o[:, :, 0, :]
+        return F.linear(out.reshape(T, -1), layer.o)
+
+    def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        ids, weights = route_topk(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+        if not step.is_prefill:
+            ids, weights = self.policy.route(layer.idx, ids, weights, step.opt_out)
+        return experts_reference(x, ids, weights, layer.gate_up, layer.down)
+
+    @staticmethod
+    def _mlp(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, layer.mlp_gate)) * F.linear(x, layer.mlp_up), layer.mlp_down)

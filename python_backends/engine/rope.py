@@ -1,0 +1,36 @@
+"""Interleaved multimodal RoPE (Qwen3-VL): frequency i rotates by the t, h or w position.
+
+Frequencies are assigned round-robin t,h,w,t,h,w,... for the first 3*section[1] (h) and
+3*section[2] (w) slots; all others use t. Text tokens have t = h = w, which makes this
+plain 1-D RoPE for them.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class MRope:
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int], device: torch.device):
+        half = head_dim // 2
+        if sum(section) != half:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {half}")
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        axis = torch.zeros(half, dtype=torch.long)
+        for a in (1, 2):
+            idx = torch.arange(a, 3 * section[a], 3)
+            axis[idx] = a
+        self.axis = axis.to(device)  # [half]: which of (t, h, w) drives frequency i
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] (t, h, w) -> cos, sin [T, head_dim] in `dtype`."""
+        freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq[None, None, :]  # [3, T, half]
+        freqs = freqs.gather(0, self.axis.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim]; rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,55 @@
+"""Turns a scheduled batch into model inputs, runs one forward and samples one token per sequence."""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import BlockManager, KVCache
+from .model import Qwen3VLMoeTextDecoder, StepInputs
+from .sampler import sample
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, blocks: BlockManager):
+        self.model = model
+        self.kv = kv
+        self.blocks = blocks
+        self.device = model.device
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
+        ids, pos, slots, lens, rows = [], [], [], [], []
+        for seq in seqs:
+            n = len(seq)
+            ids.extend(seq.all_ids)
+            pos.extend(range(n))
+            slots.extend(self.blocks.slots(seq, 0, n))
+            lens.append(n)
+            rows.append(sum(lens) - 1)
+        p = self._tensor(pos)
+        step = StepInputs(positions=p.expand(3, -1), slots=self._tensor(slots), is_prefill=True, seq_lens=lens)
+        return self._tensor(ids), step, self._tensor(rows)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
+        ids, pos, slots, ctx = [], [], [], []
+        max_len = max(len(s) for s in seqs)
+        gather = []
+        for seq in seqs:
+            n = len(seq)
+            ids.append(seq.all_ids[-1])
+            pos.append(n - 1)
+            ctx_slots = self.blocks.slots(seq, 0, n)
+            slots.append(ctx_slots[-1])
+            gather.append(ctx_slots + [0] * (max_len - n))
+            ctx.append(n)
+        step = StepInputs(positions=self._tensor(pos).expand(3, -1), slots=self._tensor(slots), is_prefill=False,
+                          seq_lens=[1] * len(seqs), gather_slots=self._tensor(gather), context_lens=self._tensor(ctx),
+                          opt_out=self._tensor([s.opt_out for s in seqs], torch.bool))
+        return self._tensor(ids), step, torch.arange(len(seqs), device=self.device)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        ids, step, rows = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+        logits = self.model.forward(ids, step, self.kv, rows)
+        return sample(logits, seqs)

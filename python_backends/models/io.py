@@ -1,0 +1,65 @@
+"""Helpers shared by the Python-backend models: config parameters and request inputs.
+
+Only the Triton stub imports `triton_python_backend_utils`; it is passed in here so that the
+rest of the package (and the unit tests) never need it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+class BadInput(ValueError):
+    """A client error: becomes a TritonError naming the problem; the server keeps serving."""
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of a model's config.pbtxt as a plain dict of strings."""
+    cfg = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+
+
+def resolve_checkpoint(args: dict, params: dict[str, str]) -> Path:
+    """`checkpoint_path` from config.pbtxt; a relative path is relative to the repository's parent folder."""
+    raw = params.get("checkpoint_path", "")
+    if not raw:
+        raise ValueError("config.pbtxt parameter checkpoint_path is not set")
+    path = Path(raw)
+    if not path.is_absolute():
+        repo_root = Path(args["model_repository"]).resolve().parent
+        path = repo_root.parent / path
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"checkpoint_path {path} has no config.json (build it: make checkpoint)")
+    return path
+
+
+def get_input(pb_utils, request, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def scalar(pb_utils, request, name: str, default, kind: type):
+    """An optional [1]-shaped input as a Python scalar, or `default` when the client left it out."""
+    arr = get_input(pb_utils, request, name)
+    if arr is None:
+        return default
+    if arr.size != 1:
+        raise BadInput(f"input {name!r} must hold exactly one value, got shape {list(arr.shape)}")
+    value = arr.reshape(-1)[0]
+    if kind is str:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return kind(value)
+
+
+def strings(pb_utils, request, name: str) -> list[bytes]:
+    """An optional STRING[-1] input as a list of byte strings (empty when absent)."""
+    arr = get_input(pb_utils, request, name)
+    if arr is None:
+        return []
+    return [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in arr.reshape(-1)]
+
+
+def error_response(pb_utils, message: str):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))

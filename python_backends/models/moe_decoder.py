@@ -1,0 +1,220 @@
+"""`moe_decoder`: decoupled Triton model around the continuous-batching engine.
+
+`execute()` validates each request, hands it to the engine thread and returns at once. The
+engine thread admits new requests between steps (so they join the running batch at the next
+step), runs one step, and sends each sequence's response: one per token when streaming,
+one at the end otherwise. A cancelled request is aborted, and its KV blocks freed, before the
+next step.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..detokenize import TextStream, TokenBytes
+from ..engine.engine import EngineConfig, LLMEngine, RequestError
+from ..engine.sequence import SamplingParams, Sequence
+from .io import BadInput, error_response, model_parameters, resolve_checkpoint, scalar, strings
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass(eq=False)
+class Pending:
+    prompt_ids: list[int]
+    params: SamplingParams
+    sender: object
+    stream: bool
+    text: TextStream
+    arrival: float
+    seq: Sequence | None = None  # set when the engine thread admits the request
+
+
+def engine_config(params: dict[str, str]) -> EngineConfig:
+    device = params.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = params.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    ints = {k: int(params[k]) for k in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                                        "max_model_len", "max_tokens_cap") if params.get(k)}
+    return EngineConfig(device=device, dtype=dtype, routing_policy=params.get("routing_policy", "topk"), **ints)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        checkpoint = resolve_checkpoint(args, params)
+        self.engine = LLMEngine(checkpoint, engine_config(params))
+        self.token_bytes = TokenBytes.from_tokenizer_json(checkpoint)
+        self.default_max_tokens = int(params.get("default_max_tokens", "64"))
+        self._inbox: queue.Queue[Pending] = queue.Queue()
+        self._live: dict[int, Pending] = {}
+        self._stop = threading.Event()
+        self._metrics()
+        self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
+        self._thread.start()
+
+    def _metrics(self):
+        self._families = []  # a Metric is only valid while its MetricFamily lives
+
+        def metric(kind, name, desc):
+            family = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+            self._families.append(family)
+            return family.Metric(labels={"model": "moe_decoder"})
+
+        def counter(name, desc):
+            return metric(pb_utils.MetricFamily.COUNTER, name, desc)
+
+        def gauge(name, desc):
+            return metric(pb_utils.MetricFamily.GAUGE, name, desc)
+
+        self.m_requests = counter("zipmoe_requests_completed_total", "Requests that finished generating")
+        self.m_ttft = counter("zipmoe_ttft_microseconds_total", "Sum of time to first token (arrival to first token)")
+        self.m_decode_us = counter("zipmoe_decode_microseconds_total", "Sum of time from first to last token")
+        self.m_decode_tokens = counter("zipmoe_decode_tokens_total", "Tokens generated after the first one")
+        self.m_prompt_tokens = counter("zipmoe_prompt_tokens_total", "Prompt tokens prefilled")
+        self.m_preemptions = counter("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks")
+        self.m_gauges = {
+            "free": gauge("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
+            "total": gauge("zipmoe_kv_blocks_total", "KV cache blocks in all"),
+            "running": gauge("zipmoe_running_requests", "Sequences in the decode batch"),
+            "waiting": gauge("zipmoe_waiting_requests", "Sequences waiting for admission"),
+        }
+        self._gauge_values: dict[str, int] = {}
+        self._preemptions = 0
+
+    def _update_gauges(self):
+        """Sets the engine gauges when they change (each set is a round trip to the server)."""
+        sched = self.engine.scheduler
+        values = {"free": self.engine.blocks.num_free, "total": self.engine.blocks.num_blocks,
+                  "running": len(sched.running), "waiting": len(sched.waiting)}
+        for k, v in values.items():
+            if self._gauge_values.get(k) != v:
+                self.m_gauges[k].set(v)
+                self._gauge_values[k] = v
+        if sched.num_preemptions != self._preemptions:
+            self.m_preemptions.increment(sched.num_preemptions - self._preemptions)
+            self._preemptions = sched.num_preemptions
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                pending = self._parse(request, sender)
+            except (BadInput, RequestError) as e:
+                sender.send(error_response(pb_utils, str(e)), flags=FINAL)
+                continue
+            self._inbox.put(pending)
+        return None
+
+    def _parse(self, request, sender) -> Pending:
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
+        seed = scalar(pb_utils, request, "random_seed", None, int)
+        params = SamplingParams(
+            max_tokens=scalar(pb_utils, request, "max_tokens", self.default_max_tokens, int),
+            temperature=scalar(pb_utils, request, "temperature", 0.0, float),
+            top_p=scalar(pb_utils, request, "top_p", 1.0, float),
+            top_k=scalar(pb_utils, request, "top_k", 0, int),
+            seed=seed,
+            stop=tuple(s for s in strings(pb_utils, request, "stop_words") if s),
+            ignore_eos=scalar(pb_utils, request, "ignore_eos", False, bool),
+        )
+        self.engine.check_request(ids, params)
+        stream = scalar(pb_utils, request, "stream", False, bool)
+        return Pending(ids, params, sender, stream, TextStream(self.token_bytes, params.stop), time.monotonic())
+
+    # --- engine thread -------------------------------------------------------------------------
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                self._iterate()
+            except Exception as e:  # a bug must not hang clients or kill the thread: fail what is in flight
+                pb_utils.Logger.log_error(f"moe_decoder engine step failed: {e!r}")
+                for p in list(self._live.values()):
+                    self._fail(p, f"engine step failed: {e!r}")
+
+    def _iterate(self):
+        self._admit(block=not self.engine.has_work)
+        self._drop_cancelled()
+        if self.engine.has_work:
+            for seq, token in self.engine.step():
+                pending = self._live.get(seq.seq_id)
+                if pending is not None:
+                    self._respond(pending, token)
+        self._update_gauges()
+
+    def _admit(self, block: bool):
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            p = item
+            p.seq = self.engine.add_request(p.prompt_ids, p.params)
+            p.seq.arrival = p.arrival  # time to first token counts from execute()
+            self._live[p.seq.seq_id] = p
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self):
+        for p in list(self._live.values()):
+            if p.sender.is_cancelled():
+                self.engine.abort(p.seq)
+                del self._live[p.seq.seq_id]
+                self._send(p, None, FINAL)
+
+    def _respond(self, p: Pending, token: int):
+        seq = p.seq
+        if p.text.push(token) and not seq.finished:
+            self.engine.finish_stopped(seq)
+        if not (p.stream or seq.finished):
+            return
+        first, begin, end = p.text.release(final=seq.finished)
+        window = np.asarray(seq.output_ids[first:], dtype=np.int32)
+        out = [
+            pb_utils.Tensor("output_ids", window),
+            pb_utils.Tensor("text_range", np.asarray([begin, end], dtype=np.int32)),
+            pb_utils.Tensor("input_token_count", np.asarray([len(seq.prompt_ids)], dtype=np.int32)),
+            pb_utils.Tensor("output_token_count", np.asarray([len(seq.output_ids)], dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.asarray([(seq.finish_reason or "").encode()], dtype=np.object_)),
+        ]
+        if seq.finished:
+            del self._live[seq.seq_id]
+            self._record(seq)
+        self._send(p, pb_utils.InferenceResponse(output_tensors=out), FINAL if seq.finished else 0)
+
+    def _record(self, seq: Sequence):
+        now = time.monotonic()
+        self.m_requests.increment(1)
+        self.m_prompt_tokens.increment(len(seq.prompt_ids))
+        self.m_ttft.increment(int((seq.first_token_time - seq.arrival) * 1e6))
+        self.m_decode_us.increment(int((now - seq.first_token_time) * 1e6))
+        self.m_decode_tokens.increment(len(seq.output_ids) - 1)
+
+    def _fail(self, p: Pending, message: str):
+        self.engine.abort(p.seq)
+        self._live.pop(p.seq.seq_id, None)
+        self._send(p, error_response(pb_utils, message), FINAL)
+
+    def _send(self, p: Pending, response, flags: int):
+        try:
+            p.sender.send(response, flags=flags)
+        except Exception:  # the client went away between the check and the send
+            if not p.seq.finished:
+                self.engine.abort(p.seq)
+                self._live.pop(p.seq.seq_id, None)
+
+    def finalize(self):
+        self._stop.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,349 @@
+"""Launch tritonserver on the zipmoe model repository (`zipmoe serve`).
+
+Works with three servers: one named by $TRITONSERVER or found on PATH, the NGC
+image's /opt/tritonserver, or the binary bundled in the nvidia-pytriton wheel.
+The bundled one needs extra setup (see DESIGN.md, "Environments"): a backend
+directory holding the Python stub for this interpreter, the wheel's shared libs
+and this interpreter's libpython on LD_LIBRARY_PATH, and the venv's bin/ first
+on PATH, since the stub finds its prefix (and site-packages) like a python3 on
+PATH and ignores PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
+
+
+def _bundled_server() -> Path | None:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "tritonserver" / "bin" / "tritonserver"
+
+
+def find_tritonserver() -> Path:
+    """$TRITONSERVER, then PATH, then the NGC location, then the nvidia-pytriton binary."""
+    if os.environ.get("TRITONSERVER"):  # an explicit choice that is wrong is an error, not a hint
+        path = Path(os.environ["TRITONSERVER"])
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise FileNotFoundError(f"$TRITONSERVER={path} is not an executable file")
+        return path
+    candidates: list[tuple[str, Path | None]] = [
+        ("tritonserver on PATH", Path(p) if (p := shutil.which("tritonserver")) else None),
+        ("NGC image", NGC_SERVER),
+        ("nvidia-pytriton wheel", _bundled_server()),
+    ]
+    for _, path in candidates:
+        if path is not None and path.is_file() and os.access(path, os.X_OK):
+            return path
+    tried = "\n".join(f"  {what}: {path or 'not found'}" for what, path in candidates)
+    raise FileNotFoundError(f"no tritonserver binary found; tried:\n{tried}")
+
+
+def _stubs_dir(server: Path) -> Path:
+    # The wheel lays out tritonserver/{bin,backends,python_backend_stubs}; NGC has no stubs folder.
+    return server.parent.parent / "python_backend_stubs"
+
+
+def _is_bundled(server: Path) -> bool:
+    return _stubs_dir(server).is_dir()
+
+
+def prepare_backend_dir(server: Path, work: Path) -> Path | None:
+    """For the bundled server, build work/backends/python with the stub for this interpreter.
+
+    Returns the directory for --backend-directory, or None for a server that has its
+    own complete backends/ (NGC, system install)."""
+    if not _is_bundled(server):
+        return None
+    version = "%d.%d" % sys.version_info[:2]
+    stub = _stubs_dir(server) / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        available = sorted(p.name for p in _stubs_dir(server).iterdir() if p.is_dir())
+        raise FileNotFoundError(
+            f"the bundled tritonserver has no Python {version} backend stub; available: {', '.join(available)}"
+        )
+    source = server.parent.parent / "backends" / "python"
+    backends = work / "backends"
+    target = backends / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in (source / "libtriton_python.so", source / "triton_python_backend_utils.py", stub):
+        link = target / path.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(path.resolve())
+    return backends
+
+
+def server_env(server: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]).rstrip(os.pathsep)
+    # This interpreter's libpython first, or the stub loads the system one and the venv's
+    # extension modules fail with undefined symbols.
+    libs = [sysconfig.get_config_var("LIBDIR")]
+    if _is_bundled(server):
+        libs.append(str(server.parents[3] / "nvidia_pytriton.libs"))  # site-packages/nvidia_pytriton.libs
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# key: "checkpoint_path" <sep> value: { string_value: "<old>" }; pbtxt allows `:` to be
+# omitted before a message and `,`/`;` between fields.
+_CHECKPOINT_RE = re.compile(
+    r'(key\s*:\s*"checkpoint_path"\s*[,;]?\s*value\s*:?\s*\{\s*string_value\s*:\s*)"((?:[^"\\]|\\.)*)"'
+)
+
+
+def render_repository(src: Path, dst: Path, checkpoint: str | None) -> Path:
+    """Copy the model repository to dst with every `checkpoint_path` parameter made absolute.
+
+    With `checkpoint` given, it replaces the configured path. Otherwise a relative configured path
+    keeps meaning what it means for the original repository: relative to the folder holding it.
+    """
+    src, dst = Path(src).resolve(), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+
+    def absolute(match: re.Match) -> str:
+        path = Path(checkpoint).expanduser().resolve() if checkpoint is not None else src.parent / match.group(2)
+        return match.group(1) + '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    for config in dst.glob("*/config.pbtxt"):
+        config.write_text(_CHECKPOINT_RE.sub(absolute, config.read_text()))
+    return dst
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path | None, lines: int = 60) -> str:
+    if path is None:
+        return "(server output went to this terminal, see above)"
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return "(no log written)"
+
+
+class TritonServer:
+    """A tritonserver process on a rendered copy of a model repository.
+
+    url_http / url_grpc are "host:port", as tritonclient wants them."""
+
+    def __init__(
+        self,
+        model_repository,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        checkpoint: str | None = None,
+        log_path=None,
+        extra_args=(),
+        host: str = "127.0.0.1",
+    ):
+        self.model_repository = Path(model_repository)
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.checkpoint = checkpoint
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.extra_args = list(extra_args)
+        self.host = host
+        self.process: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host == "0.0.0.0" else self.host
+
+    @property
+    def url_http(self) -> str:
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def url_grpc(self) -> str:
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def url_metrics(self) -> str:
+        return f"{self._client_host}:{self.metrics_port}"
+
+    def start(self) -> None:
+        server = find_tritonserver()
+        self._workdir = Path(tempfile.mkdtemp(prefix="zipmoe-serve-"))
+        repo = render_repository(self.model_repository, self._workdir / "model_repository", self.checkpoint)
+        cmd = [
+            str(server),
+            f"--model-repository={repo}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            "--log-verbose=0",
+            "--exit-on-error=true",
+            # Configs are complete; don't let backends guess missing fields.
+            "--disable-auto-complete-config",
+        ]
+        backends = prepare_backend_dir(server, self._workdir)
+        if backends is not None:
+            cmd.append(f"--backend-directory={backends}")
+        cmd += self.extra_args
+        log = open(self.log_path, "ab") if self.log_path is not None else None
+        try:
+            # Own session: signals typed at our terminal are not delivered to it directly,
+            # and stop() can clean up the whole group (server + stub processes).
+            self.process = subprocess.Popen(
+                cmd, env=server_env(server), stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
+            )
+        finally:
+            if log is not None:
+                log.close()
+
+    def _request(self, method: str, path: str, body: bytes | None = None):
+        req = urllib.request.Request(f"http://{self.url_http}{path}", data=body, method=method)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+
+    def wait_ready(self, timeout: float = 300) -> list[str]:
+        """Wait for /v2/health/ready, then check every model is READY; returns the model names."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with code {self.process.returncode} before ready:\n{_tail(self.log_path)}"
+                )
+            try:
+                if self._request("GET", "/v2/health/ready")[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # not listening yet, or models still loading (400)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{_tail(self.log_path)}")
+            time.sleep(0.25)
+        models = json.loads(self._request("POST", "/v2/repository/index", b"{}")[1])
+        failed = [m for m in models if m.get("state") != "READY"]
+        if failed:
+            details = "\n".join(f"  {m['name']}: {m.get('state')} {m.get('reason', '')}" for m in failed)
+            raise RuntimeError(f"models not ready:\n{details}")
+        return sorted({m["name"] for m in models})
+
+    def send_signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGINT (graceful), then SIGTERM, then SIGKILL; returns the server's exit code."""
+        if self.process is None:
+            return None
+        for signum, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5)):
+            self.send_signal(signum)
+            try:
+                self.process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            self._kill_group()
+            self.process.wait()
+        # Stub processes notice the server is gone on their own; give them a moment, then force.
+        for _ in range(40):
+            if not self._group_alive():
+                break
+            time.sleep(0.05)
+        else:
+            self._kill_group()
+        return self.process.returncode
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--checkpoint", help="checkpoint directory for every model's checkpoint_path parameter")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    parser.add_argument("--log-file", type=Path, help="server log (default: this terminal)")
+
+
+def run(args: argparse.Namespace) -> int:
+    server = TritonServer(
+        args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, checkpoint=args.checkpoint, log_path=args.log_file, host=args.host,
+    )
+    signalled = []
+
+    def forward(signum, _frame):
+        signalled.append(signum)
+        server.send_signal(signum)
+
+    with server:
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            try:
+                models = server.wait_ready()
+            except (RuntimeError, TimeoutError) as e:
+                if signalled:  # we were asked to stop while loading
+                    return server.stop()
+                print(f"zipmoe: {e}", file=sys.stderr)
+                return 1
+            h = server.host
+            print(
+                f"zipmoe: ready — http {h}:{server.http_port}  grpc {h}:{server.grpc_port}  "
+                f"metrics {h}:{server.metrics_port}  models: {', '.join(models)}",
+                flush=True,
+            )
+            server.process.wait()
+            return server.stop()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)

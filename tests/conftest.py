@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny checkpoint, a real tritonserver on loopback, and the gpu marker."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from zipmoe import serve
+from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA. With CUDA present the integration tests run there too (the engine
+    picks cuda by itself), so `pytest -m gpu` on a GPU machine also runs the whole server suite."""
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if HAS_CUDA and "integration" in item.keywords:
+            item.add_marker(pytest.mark.gpu)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Path:
+    return build_tiny_checkpoint(REPO / "checkpoints" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def zipmoe_server(tiny_checkpoint, tmp_path_factory):
+    """The project's model repository served on free loopback ports, shared by the integration tests."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log, **ports) as s:
+        s.wait_ready(timeout=300)
+        yield s

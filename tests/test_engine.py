@@ -1,0 +1,134 @@
+"""Scheduler, KV-block accounting, sampling and request checks of the engine (CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from zipmoe.engine.engine import EngineConfig, LLMEngine, RequestError
+from zipmoe.engine.kv_cache import BlockManager
+from zipmoe.engine.sequence import FinishReason, SamplingParams, Sequence
+
+PROMPT = list(range(10, 40))
+
+
+def engine(checkpoint, **cfg) -> LLMEngine:
+    base = dict(num_kv_blocks=64, block_size=16, max_model_len=512, max_num_batched_tokens=512)
+    return LLMEngine(checkpoint, EngineConfig(**{**base, **cfg}))
+
+
+def drain(eng: LLMEngine) -> None:
+    while eng.has_work:
+        eng.step()
+
+
+def greedy(n=12):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_block_manager_accounting():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = Sequence(0, [1] * 5, greedy())
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 2 and bm.num_free == 2
+    assert bm.slots(seq, 3, 6) == [seq.block_table[0] * 4 + 3, seq.block_table[1] * 4, seq.block_table[1] * 4 + 1]
+    seq.output_ids += [7, 7, 7, 7]  # 9 tokens: position 8 needs a third block
+    assert bm.can_append(seq)
+    bm.append_slot(seq)
+    assert len(seq.block_table) == 3 and bm.num_free == 1
+    bm.append_slot(seq)  # still room: no new block
+    assert bm.num_free == 1
+    bm.free(seq)
+    assert bm.num_free == 4 and seq.block_table == []
+
+
+def test_blocks_are_returned_when_requests_finish(tiny_checkpoint):
+    eng = engine(tiny_checkpoint)
+    seqs = [eng.add_request(PROMPT, greedy(20)) for _ in range(3)]
+    eng.step()
+    assert eng.blocks.num_free == 64 - 3 * 2
+    drain(eng)
+    assert eng.blocks.num_free == 64
+    assert all(s.finish_reason is FinishReason.LENGTH and len(s.output_ids) == 20 for s in seqs)
+
+
+def test_abort_frees_blocks_at_once(tiny_checkpoint):
+    eng = engine(tiny_checkpoint)
+    a = eng.add_request(PROMPT, greedy(50))
+    b = eng.add_request(PROMPT, greedy(5))
+    eng.step()
+    eng.step()
+    eng.abort(a)
+    assert a.finish_reason is FinishReason.CANCELLED and a.block_table == []
+    assert eng.blocks.num_free == 64 - len(b.block_table)
+    drain(eng)
+    assert len(b.output_ids) == 5 and eng.blocks.num_free == 64
+
+
+def test_request_joins_running_batch_next_step(tiny_checkpoint):
+    eng = engine(tiny_checkpoint)
+    a = eng.add_request(PROMPT, greedy(30))
+    for _ in range(5):
+        eng.step()
+    b = eng.add_request(PROMPT[:20], greedy(5))
+    ran = [s for s, _ in eng.step()]
+    assert ran == [b]  # the newcomer's prefill is the very next step
+    ran = [s for s, _ in eng.step()]
+    assert set(ran) == {a, b}  # then both decode in one batch
+    drain(eng)
+    assert len(a.output_ids) == 30 and len(b.output_ids) == 5
+
+
+def test_admission_waits_for_blocks_and_preemption_recomputes(tiny_checkpoint):
+    """With too few blocks, sequences wait or get preempted, and still produce the same tokens."""
+    prompts = [PROMPT, PROMPT[5:], PROMPT[::-1]]
+    roomy = engine(tiny_checkpoint)
+    want = [roomy.add_request(p, greedy(40)) for p in prompts]
+    drain(roomy)
+    tight = engine(tiny_checkpoint, num_kv_blocks=8, block_size=16, max_model_len=128, max_num_batched_tokens=128)
+    got = [tight.add_request(p, greedy(40)) for p in prompts]
+    drain(tight)
+    assert tight.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    assert tight.blocks.num_free == 8
+
+
+def test_token_budget_splits_prefill(tiny_checkpoint):
+    eng = engine(tiny_checkpoint, max_model_len=64, max_num_batched_tokens=64)
+    seqs = [eng.add_request(PROMPT, greedy(3)) for _ in range(3)]  # 30 tokens each
+    batch, is_prefill = eng.scheduler.schedule()
+    assert is_prefill and batch == seqs[:2]
+
+
+def test_seeded_sampling_is_reproducible(tiny_checkpoint):
+    eng = engine(tiny_checkpoint)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a, b = eng.add_request(PROMPT, params), eng.add_request(PROMPT, params)
+    c = eng.add_request(PROMPT, SamplingParams(**{**params.__dict__, "seed": 99}))
+    drain(eng)
+    assert a.output_ids == b.output_ids != c.output_ids
+
+
+def test_top_k_1_is_greedy(tiny_checkpoint):
+    eng = engine(tiny_checkpoint)
+    g = eng.add_request(PROMPT, greedy(16))
+    k1 = eng.add_request(PROMPT, SamplingParams(max_tokens=16, temperature=0.8, top_k=1, seed=3, ignore_eos=True))
+    p0 = eng.add_request(PROMPT, SamplingParams(max_tokens=16, temperature=0.8, top_p=1e-6, seed=3, ignore_eos=True))
+    drain(eng)
+    assert g.output_ids == k1.output_ids == p0.output_ids
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], greedy(), "empty"),
+    (list(range(600)), greedy(), "context holds 512"),
+    ([10**6], greedy(), "outside the vocabulary"),
+    (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
+    (PROMPT, SamplingParams(max_tokens=10**6), "max_tokens"),
+    (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
+    (PROMPT, SamplingParams(top_p=0.0), "top_p"),
+    (PROMPT, SamplingParams(top_k=-2), "top_k"),
+])
+def test_bad_requests_are_refused(tiny_checkpoint, prompt, params, message):
+    eng = engine(tiny_checkpoint)
+    with pytest.raises(RequestError, match=message):
+        eng.add_request(prompt, params)
+    assert not eng.has_work
