@@ -52,7 +52,10 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         checkpoint = resolve_checkpoint(args, params)
-        self.engine = LLMEngine(checkpoint, engine_config(params))
+        config = engine_config(params)
+        self.engine = LLMEngine(checkpoint, config)
+        pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} on {config.device} ({config.dtype}), "
+                                 f"{config.num_kv_blocks} KV blocks of {config.block_size} tokens")
         self.token_bytes = TokenBytes.from_tokenizer_json(checkpoint)
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
         self._inbox: queue.Queue[Pending] = queue.Queue()
