@@ -12,6 +12,7 @@ from ..checkpoint import TensorStore, TextConfig
 from .kv_cache import BlockManager, KVCache
 from .model import Qwen3VLMoeTextDecoder
 from .moe import make_policy
+from .multimodal import VisualInputs
 from .runner import ModelRunner
 from .sampler import make_generator
 from .scheduler import Scheduler
@@ -66,15 +67,17 @@ class LLMEngine:
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, opt_out: bool = False) -> Sequence:
-        self.check_request(prompt_ids, params)
-        seq = Sequence(next(self._ids), list(prompt_ids), params, opt_out=opt_out, arrival=time.monotonic())
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, opt_out: bool = False,
+                    visual: VisualInputs | None = None) -> Sequence:
+        self.check_request(prompt_ids, params, visual)
+        seq = Sequence(next(self._ids), list(prompt_ids), params, opt_out=opt_out, visual=visual,
+                       arrival=time.monotonic())
         if not params.greedy:
             seq.generator = make_generator(params.seed, self.model.device)
         self.scheduler.add(seq)
         return seq
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, visual: VisualInputs | None = None) -> None:
         cfg = self.config
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -84,6 +87,13 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.text.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.text.vocab_size})")
+        image_tokens = sum(t == self.text.image_token_id for t in prompt_ids)
+        have = 0 if visual is None else visual.embeds.shape[0]
+        if image_tokens != have:
+            raise RequestError(f"the prompt has {image_tokens} image tokens but {have} visual embeddings")
+        if visual is not None and visual.embeds.shape[-1] != self.text.hidden_size:
+            raise RequestError(f"visual embeddings have width {visual.embeds.shape[-1]}, "
+                               f"the model's hidden size is {self.text.hidden_size}")
         if not 1 <= params.max_tokens <= cfg.max_tokens_cap:
             raise RequestError(f"max_tokens must be in [1, {cfg.max_tokens_cap}], got {params.max_tokens}")
         if params.temperature < 0 or params.temperature != params.temperature:

@@ -28,6 +28,9 @@ class StepInputs:
     gather_slots: torch.Tensor | None = None  # decode: [B, max_ctx] cache slots of each context
     context_lens: torch.Tensor | None = None  # decode: [B]
     opt_out: torch.Tensor | None = None  # decode: [B] bool, tokens that keep their top-K
+    visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
+    visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
+    deepstack: torch.Tensor | None = None  # [layers, V, hidden] added to those rows after the first layers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,11 +103,16 @@ class Qwen3VLMoeTextDecoder:
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows."""
         h = F.embedding(input_ids, self.embed)
+        rows = step.visual_rows
+        if rows is not None:
+            h[rows] = step.visual_embeds.to(self.dtype)
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)
         for layer in self.layers:
             h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), cos, sin, step, kv)
             x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
             h = h + (self._moe(layer, x, step) if layer.is_moe else self._mlp(layer, x))
+            if step.deepstack is not None and layer.idx < step.deepstack.shape[0]:
+                h[rows] = h[rows] + step.deepstack[layer.idx].to(self.dtype)  # DeepStack injection
         h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 

@@ -21,16 +21,40 @@ class ModelRunner:
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
         ids, pos, slots, lens, rows = [], [], [], [], []
+        visual_rows, embeds, deepstack = [], [], []
+        start = 0
         for seq in seqs:
             n = len(seq)
             ids.extend(seq.all_ids)
-            pos.extend(range(n))
+            pos.append(self._positions(seq))
             slots.extend(self.blocks.slots(seq, 0, n))
             lens.append(n)
-            rows.append(sum(lens) - 1)
-        p = self._tensor(pos)
-        step = StepInputs(positions=p.expand(3, -1), slots=self._tensor(slots), is_prefill=True, seq_lens=lens)
+            rows.append(start + n - 1)
+            if seq.visual is not None:
+                image_rows = [start + j for j, t in enumerate(seq.prompt_ids) if t == self.model.cfg.image_token_id]
+                visual_rows.extend(image_rows)
+                embeds.append(seq.visual.embeds)
+                if seq.visual.deepstack is not None:
+                    deepstack.append(seq.visual.deepstack)
+            start += n
+        step = StepInputs(positions=torch.cat(pos, dim=1).to(self.device), slots=self._tensor(slots),
+                          is_prefill=True, seq_lens=lens)
+        if visual_rows:
+            step.visual_rows = self._tensor(visual_rows)
+            step.visual_embeds = torch.cat(embeds).to(self.device)
+            if deepstack:
+                step.deepstack = torch.cat(deepstack, dim=1).to(self.device)
         return self._tensor(ids), step, self._tensor(rows)
+
+    @staticmethod
+    def _positions(seq: Sequence) -> torch.Tensor:
+        """[3, len(seq)]: the prompt's (image-aware) positions, then generated tokens at index + delta."""
+        n = len(seq)
+        if seq.visual is None:
+            return torch.arange(n).expand(3, -1)
+        prompt = seq.visual.positions
+        generated = torch.arange(prompt.shape[1], n) + seq.rope_delta
+        return torch.cat([prompt, generated.expand(3, -1)], dim=1)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
         ids, pos, slots, ctx = [], [], [], []
@@ -39,7 +63,7 @@ class ModelRunner:
         for seq in seqs:
             n = len(seq)
             ids.append(seq.all_ids[-1])
-            pos.append(n - 1)
+            pos.append(n - 1 + seq.rope_delta)
             ctx_slots = self.blocks.slots(seq, 0, n)
             slots.append(ctx_slots[-1])
             gather.append(ctx_slots + [0] * (max_len - n))

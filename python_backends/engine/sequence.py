@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .multimodal import VisualInputs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -47,6 +49,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
     opt_out: bool = False  # keep the router's top-K in decode (routing policies skip this request)
+    visual: VisualInputs | None = None  # spliced image tokens (kept until the end: preemption recomputes)
     arrival: float = 0.0
     first_token_time: float | None = None
 
@@ -56,6 +59,10 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def rope_delta(self) -> int:
+        return self.visual.rope_delta if self.visual is not None else 0
 
     @property
     def finished(self) -> bool:

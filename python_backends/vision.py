@@ -1,0 +1,110 @@
+"""Vision tower (transformers' own module, our weights) + global-budget VisionZip for N images.
+
+The tower is not the hot loop, so it stays transformers' `Qwen3VLMoeVisionModel`. A hook on the
+attention of layer ℓ recomputes that layer's q and k, from which `visionzip.patch_importance`
+gets how much attention each patch receives; the merged tokens then compete for one budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3VLMoeConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+    Qwen3VLMoeVisionModel,
+    apply_rotary_pos_emb_vision,
+)
+
+from .checkpoint import TensorStore
+from .visionzip import apply_selection, merged_importance, patch_importance, select_tokens
+
+VISUAL_PREFIX = "model.visual."
+
+
+@dataclass
+class ImageTokens:
+    """What the decoder needs of one image after VisionZip."""
+    embeds: torch.Tensor  # [K, D] kept tokens, original order
+    deepstack: torch.Tensor  # [L, K, D] deepstack features pruned with the same selection
+    positions: torch.Tensor  # [K, 2] (row, col) of each kept token in the merged grid
+    grid: tuple[int, int]  # merged grid (rows, cols) of the whole image
+
+
+def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """CHW image -> [grid_h*grid_w, C*temporal*patch*patch] in Qwen's flatten order (each merge x merge
+    window's patches consecutive), the image repeated `temporal` times as transformers does."""
+    c, h, w = image.shape
+    gh, gw = h // patch, w // patch
+    x = image.unsqueeze(0).expand(temporal, c, h, w)
+    x = x.reshape(temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(2, 5, 3, 6, 1, 0, 4, 7)  # gh/m, gw/m, m, m, C, T, p, p
+    return x.reshape(gh * gw, c * temporal * patch * patch)
+
+
+class VisionEncoder:
+    def __init__(self, checkpoint: str | Path, device: torch.device, dtype: torch.dtype, importance_layer: int = -1):
+        checkpoint = Path(checkpoint)
+        config = Qwen3VLMoeConfig.from_pretrained(checkpoint)
+        vcfg = config.vision_config
+        vcfg._attn_implementation = "sdpa"
+        self.patch, self.merge, self.temporal = vcfg.patch_size, vcfg.spatial_merge_size, vcfg.temporal_patch_size
+        store = TensorStore(checkpoint)
+        with torch.device("meta"):
+            model = Qwen3VLMoeVisionModel(vcfg)
+        state = {name: store.get(VISUAL_PREFIX + name) for name, _ in model.named_parameters()}
+        model.load_state_dict(state, assign=True)
+        # Non-persistent buffers (rotary frequencies) were created on meta: rebuild them for real.
+        model.rotary_pos_emb = type(model.rotary_pos_emb)(vcfg)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.device, self.dtype = device, dtype
+        layer = importance_layer % vcfg.depth
+        self._captured: dict[str, torch.Tensor] = {}
+        self.model.blocks[layer].attn.register_forward_pre_hook(self._capture_qk, with_kwargs=True)
+
+    def _capture_qk(self, attn, args, kwargs):
+        """Recomputes q, k of the importance layer from its input (the attention output itself is unchanged)."""
+        x = args[0] if args else kwargs["hidden_states"]
+        n = x.shape[0]
+        q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        cos, sin = kwargs["position_embeddings"]
+        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        self._captured.update(q=q, k=k, cu_seqlens=kwargs["cu_seqlens"], scale=attn.scaling)
+
+    @torch.inference_mode()
+    def encode(self, images: list[torch.Tensor], keep_ratios: list[float], image_groups: list[int],
+               context_fraction: float = 0.05, min_per_image: int = 4) -> list[list[ImageTokens]]:
+        """images: normalised CHW tensors (sides multiples of patch*merge) of several requests, concatenated;
+        image_groups: how many images each request has; keep_ratios: one per request. One vision forward
+        for all of them; VisionZip per request (its images share one budget)."""
+        if not images:
+            return [[] for _ in image_groups]
+        grids = torch.tensor([[1, im.shape[1] // self.patch, im.shape[2] // self.patch] for im in images])
+        pixels = torch.cat([patchify(im.to(self.device, torch.float32), self.patch, self.merge, self.temporal)
+                            for im in images]).to(self.dtype)
+        out = self.model(pixels, grid_thw=grids.to(self.device), return_dict=True)
+        unit = self.merge * self.merge
+        tokens_per_image = (grids.prod(-1) // unit).tolist()
+        embeds = out.pooler_output.split(tokens_per_image)
+        deepstack = torch.stack(out.deepstack_features).split(tokens_per_image, dim=1)  # each [L, N_i, D]
+        c = self._captured
+        importance = merged_importance(patch_importance(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
+        keys = c["k"].float().mean(1)  # [P, d]: head-averaged keys ...
+        keys = keys.reshape(-1, unit, keys.shape[-1]).mean(1)  # ... averaged over each merged token's patches
+        importance, keys = importance.split(tokens_per_image), keys.split(tokens_per_image)
+
+        results, start = [], 0
+        for n_images, ratio in zip(image_groups, keep_ratios):
+            span = range(start, start + n_images)
+            start += n_images
+            selections = select_tokens([importance[i] for i in span], [keys[i] for i in span], ratio,
+                                       context_fraction, min_per_image)
+            request = []
+            for i, sel in zip(span, selections):
+                gh, gw = int(grids[i, 1]) // self.merge, int(grids[i, 2]) // self.merge
+                rows, cols = sel.kept // gw, sel.kept % gw
+                request.append(ImageTokens(apply_selection(embeds[i], sel), apply_selection(deepstack[i], sel),
+                                           torch.stack([rows, cols], dim=1), (gh, gw)))
+            results.append(request)
+        return results
+

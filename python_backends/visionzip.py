@@ -1,0 +1,150 @@
+"""VisionZip visual-token compression with one global budget per request.
+
+VisionZip (arXiv 2412.04467) keeps the "dominant" visual tokens — those that receive the most
+attention at a deep vision layer — and folds part of the rest into a few "contextual" tokens.
+Its public Qwen2.5-VL port handles one image; here all images of a request compete in one
+candidate pool under one token budget, so a detail-dense image (text, tables, receipts) keeps
+more tokens than a plain one, while a per-image floor keeps every image represented.
+
+Pipeline (vision_encoder): `patch_importance` on layer ℓ's q/k -> `merged_importance` (2x2
+merger) -> `select_tokens` -> `apply_selection` on the merged embeddings and on the deepstack
+features, with the same selection so both stay aligned. Kept tokens keep their original order,
+so their original (t, h, w) mRoPE positions are `positions[kept]`.
+
+Plain PyTorch reference; `patch_importance` gets a Triton kernel with the same signature that
+never materialises the N x N attention matrix. Everything is deterministic.
+"""
+from __future__ import annotations
+
+import math
+from itertools import accumulate
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def patch_importance(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """Attention each patch receives, per image, averaged over heads and queries, times N_i.
+
+    q, k: [P, heads, d] of one vision attention layer, all images packed; cu_seqlens: int [N+1]
+    image boundaries (attention is full inside an image and never crosses images). Returns [P]
+    float32. The factor N_i makes uniform attention 1.0, so images of different sizes compete
+    on one scale; each image's values sum to N_i. Materialises softmax(q k^T * scale) per image.
+    """
+    out = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        logits = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * scale
+        out[start:end] = logits.softmax(dim=-1).mean(dim=(0, 1)) * (end - start)
+    return out
+
+
+def merged_importance(patch_imp: Tensor, merge: int = 4) -> Tensor:
+    """[P] -> [P // merge]: a merged token's importance is the sum over its `merge` patches
+    (consecutive in Qwen's flatten order)."""
+    if patch_imp.shape[0] % merge:
+        raise ValueError(f"{patch_imp.shape[0]} patches are not a multiple of merge={merge}")
+    return patch_imp.reshape(-1, merge).sum(dim=-1)
+
+
+@dataclass
+class ImageSelection:
+    kept: Tensor        # int64 [K_i] indices into the image's merged tokens, ascending
+    is_context: Tensor  # bool [K_i] True where kept[j] is a contextual (merged) token
+    assign: Tensor      # int64 [N_i] row of `kept` each token is folded into; -1: dropped outright
+
+
+def _round_half_up(x: float) -> int:
+    # Python's round() rounds halves to even; half-up makes the budget monotone in keep_ratio.
+    return math.floor(x + 0.5)
+
+
+def _split_context(total: int, remaining: list[int]) -> list[int]:
+    """Largest-remainder split of `total` in proportion to `remaining` (ties: lower image).
+
+    Needs total <= sum(remaining); then no share exceeds its image's count: a floor is at most
+    the exact share, and only shares with a fractional part (so below their count) get a +1."""
+    pool = sum(remaining)
+    if total == 0:
+        return [0] * len(remaining)
+    shares = [total * r // pool for r in remaining]
+    by_remainder = sorted(range(len(remaining)), key=lambda i: (-(total * remaining[i] % pool), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: float,
+                  context_fraction: float = 0.05, min_per_image: int = 4) -> list[ImageSelection]:
+    """Choose the kept tokens of every image of one request under one global budget.
+
+    importance[i]: [N_i] merged-token importance; keys[i]: [N_i, dk] keys of the same tokens
+    (for context folding). Budget B = round(keep_ratio * N) tokens over all N = sum N_i tokens,
+    at least each image's floor min(N_i, min_per_image), at most N; exactly B are kept.
+    B - C dominant tokens (floors first, then the global top by importance) and
+    C = round(context_fraction * B) contextual tokens (targets spread over each image's
+    remaining tokens, which are folded into their most key-similar target).
+    """
+    if not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+    sizes = [imp.shape[0] for imp in importance]
+    floors = [min(n, min_per_image) for n in sizes]
+    total = sum(sizes)
+    budget = min(total, max(sum(floors), _round_half_up(keep_ratio * total)))
+    n_context = 0 if budget == total else _round_half_up(context_fraction * budget)
+    if budget - n_context < sum(floors):
+        n_context = 0  # the floors come first; no room for contextual tokens
+    n_dominant = budget - n_context
+
+    # One flat vector, image-major and token-ascending, so a stable descending sort breaks
+    # ties by lower image, then lower token.
+    flat = torch.cat([imp.float() for imp in importance])
+    offsets = list(accumulate(sizes, initial=0))
+    dominant = torch.zeros(total, dtype=torch.bool, device=flat.device)
+    for i, f in enumerate(floors):
+        order = torch.sort(importance[i].float(), descending=True, stable=True).indices
+        dominant[offsets[i] + order[:f]] = True
+    pool = (~dominant).nonzero().squeeze(1)
+    order = torch.sort(flat[pool], descending=True, stable=True).indices
+    dominant[pool[order[: n_dominant - sum(floors)]]] = True
+
+    remaining = [int((~dominant[offsets[i]:offsets[i + 1]]).sum()) for i in range(len(sizes))]
+    context_counts = _split_context(n_context, remaining)
+
+    selections = []
+    for i, (n, c) in enumerate(zip(sizes, context_counts)):
+        dom = dominant[offsets[i]:offsets[i + 1]]
+        rest = (~dom).nonzero().squeeze(1)
+        # Targets evenly spaced over the remaining tokens in index order (distinct as c <= len(rest)).
+        targets = rest[torch.arange(c, device=rest.device) * len(rest) // c] if c else rest[:0]
+        is_target = torch.zeros(n, dtype=torch.bool, device=dom.device)
+        is_target[targets] = True
+        kept = (dom | is_target).nonzero().squeeze(1)
+        row = torch.full((n,), -1, dtype=torch.long, device=dom.device)
+        row[kept] = torch.arange(len(kept), device=dom.device)
+        assign = row.clone()  # kept tokens map to themselves, the rest to -1 until folded
+        if c:
+            unit = F.normalize(keys[i].float(), dim=-1)
+            folded = rest[~is_target[rest]]
+            nearest = (unit[folded] @ unit[targets].T).argmax(dim=1)  # cosine; ties: first target
+            assign[folded] = row[targets[nearest]]
+        selections.append(ImageSelection(kept=kept, is_context=is_target[kept], assign=assign))
+    return selections
+
+
+def apply_selection(features: Tensor, sel: ImageSelection) -> Tensor:
+    """[..., N_i, D] -> [..., K_i, D] (token axis second to last: embeddings [N_i, D] or
+    deepstack [L, N_i, D]). Each kept row is the mean of the rows assigned to it: a dominant
+    token is assigned only itself, so it is copied exactly; a contextual one averages its group."""
+    if sel.kept.shape[0] == features.shape[-2]:
+        return features  # everything kept (keep_ratio 1.0): nothing is folded, no copy needed
+    valid = sel.assign >= 0
+    target = sel.assign[valid]
+    # Accumulate in float32 so contextual means of bf16 features do not lose precision.
+    sums = features.new_zeros(*features.shape[:-2], sel.kept.shape[0], features.shape[-1],
+                              dtype=torch.float32)
+    sums.index_add_(-2, target, features[..., valid, :].float())
+    counts = torch.bincount(target, minlength=sel.kept.shape[0]).unsqueeze(-1)
+    return (sums / counts).to(features.dtype)

@@ -1,0 +1,218 @@
+"""VisionZip with a global budget: importance, budget, global competition, floors, folding."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zipmoe.visionzip import apply_selection, merged_importance, patch_importance, select_tokens
+
+MIXES = [[16], [16, 64, 100, 256], [3, 64], [16, 64, 101], [7, 5, 9]]
+RATIOS = [0.01, 0.1, 0.25, 1 / 3, 0.5, 0.7, 0.95, 1.0]
+
+
+def _random_request(sizes, seed=0, dk=8):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.rand(n, generator=g) for n in sizes], [torch.randn(n, dk, generator=g) for n in sizes])
+
+
+def _expected_budget(sizes, ratio, min_per_image=4):
+    floors = sum(min(n, min_per_image) for n in sizes)
+    return min(sum(sizes), max(floors, math.floor(ratio * sum(sizes) + 0.5)))
+
+
+def _expected_dominant(importance, n_dominant, min_per_image=4):
+    """The spec in plain Python: per-image floors, then a global top over what is left."""
+    ranked = lambda cands: sorted(cands, key=lambda c: (-importance[c[0]][c[1]].item(), c))
+    chosen = set()
+    for i, imp in enumerate(importance):
+        chosen |= set(ranked([(i, j) for j in range(len(imp))])[:min(len(imp), min_per_image)])
+    pool = [(i, j) for i, imp in enumerate(importance) for j in range(len(imp)) if (i, j) not in chosen]
+    return chosen | set(ranked(pool)[: n_dominant - len(chosen)])
+
+
+@pytest.mark.parametrize("sizes", MIXES)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_budget_is_met_exactly_and_selection_follows_the_spec(sizes, ratio):
+    importance, keys = _random_request(sizes)
+    sels = select_tokens(importance, keys, ratio)
+    budget = _expected_budget(sizes, ratio)
+    assert sum(len(s.kept) for s in sels) == budget
+
+    n_context = sum(int(s.is_context.sum()) for s in sels)
+    dominant = {(i, j) for i, s in enumerate(sels) for j in s.kept[~s.is_context].tolist()}
+    assert dominant == _expected_dominant(importance, budget - n_context)
+
+    for s, imp, k in zip(sels, importance, keys):
+        n = len(imp)
+        assert len(s.kept) >= min(n, 4)  # floor
+        assert s.kept.dtype == torch.long and s.assign.dtype == torch.long
+        assert torch.all(s.kept[1:] > s.kept[:-1])  # ascending, original order
+        assert torch.equal(s.assign[s.kept], torch.arange(len(s.kept)))  # kept tokens map to themselves
+        dropped = torch.ones(n, dtype=torch.bool)
+        dropped[s.kept] = False
+        targets = s.kept[s.is_context]
+        if len(targets):
+            # targets spread evenly over the non-dominant tokens; each dropped token joins its
+            # most key-similar target
+            rest = torch.cat([targets, dropped.nonzero().squeeze(1)]).sort().values
+            assert torch.equal(targets, rest[torch.arange(len(targets)) * len(rest) // len(targets)])
+            unit = F.normalize(k, dim=-1)
+            best = (unit[dropped] @ unit[targets].T).argmax(1)
+            assert torch.equal(s.kept[s.assign[dropped]], targets[best])
+        else:
+            assert torch.all(s.assign[dropped] == -1)
+
+
+def test_context_count_and_rounding():
+    # N = 181, ratio 0.5 -> 90.5 rounds up to 91; C = round(0.05 * 91) = 5.
+    sels = select_tokens(*_random_request([16, 64, 101]), 0.5)
+    assert sum(len(s.kept) for s in sels) == 91
+    assert sum(int(s.is_context.sum()) for s in sels) == 5
+    # When the floors take the whole budget there is no room for context.
+    sels = select_tokens(*_random_request([16, 64, 100, 256]), 0.01)
+    assert [len(s.kept) for s in sels] == [4, 4, 4, 4]
+    assert not any(s.is_context.any() for s in sels)
+
+
+def test_keep_ratio_out_of_range():
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(ValueError):
+            select_tokens(*_random_request([16]), bad)
+
+
+def test_ties_are_broken_by_image_then_token():
+    ones = [torch.ones(8), torch.ones(8)]
+    sels = select_tokens(ones, [torch.randn(8, 4), torch.randn(8, 4)], 0.5, context_fraction=0.0,
+                         min_per_image=2)
+    assert sels[0].kept.tolist() == [0, 1, 2, 3, 4, 5]
+    assert sels[1].kept.tolist() == [0, 1]
+
+
+def test_detail_image_gets_more_budget_handmade():
+    detail = torch.full((64,), 0.1)
+    detail[torch.arange(0, 64, 2)] = torch.linspace(5.0, 10.0, 32)  # many distinct hot tokens
+    flat = torch.ones(64)
+    sels = select_tokens([detail, flat], [torch.randn(64, 8), torch.randn(64, 8)], 0.3)
+    assert len(sels[0].kept) > len(sels[1].kept)
+    assert len(sels[0].kept) + len(sels[1].kept) == round(0.3 * 128)
+
+
+def test_detail_image_gets_more_budget_from_attention():
+    """Image A: every query attends to a sparse pattern of half its merged tokens (text-like
+    detail, a few of them much hotter); image B: uniform attention. One budget for both."""
+    heads, d, side = 2, 8, 16
+    n = side * side  # patches per image; merged tokens = n // 4
+    scale = d ** -0.5
+    hot = torch.arange(0, n // 4, 2)  # half of A's merged tokens carry detail
+    logit = torch.zeros(n // 4)
+    logit[hot] = 3.0
+    logit[hot[:3]] = 4.0  # a few dominant hot spots
+    logit = logit.repeat_interleave(4)  # the same for the 4 patches of each merged token
+    e0 = F.one_hot(torch.tensor(0), d).float()
+    q_a = e0.expand(n, heads, d)
+    k_a = ((logit / scale)[:, None, None] * e0).expand(n, heads, d)  # q.k * scale == logit for every query and head
+    q_b = torch.zeros(n, heads, d)  # all logits 0 -> uniform attention
+    k_b = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, n, 2 * n])
+    imp = merged_importance(patch_importance(torch.cat([q_a, q_b]), torch.cat([k_a, k_b]), cu, scale))
+    imp_a, imp_b = imp[: n // 4], imp[n // 4:]
+    assert torch.allclose(imp_b, torch.full_like(imp_b, 4.0))  # uniform: 1.0 per patch
+    assert imp_a[hot].min() > 4.0 > imp_a[1::2].max()  # detail tokens above uniform, the rest below
+
+    keys = list(torch.randn(2, n // 4, 8, generator=torch.Generator().manual_seed(1)))
+    sel_a, sel_b = select_tokens([imp_a, imp_b], keys, 0.3)
+    assert len(sel_a.kept) > len(sel_b.kept)
+    assert set(hot.tolist()) <= set(sel_a.kept[~sel_a.is_context].tolist())
+
+
+def test_floor_holds_for_a_dull_image():
+    importance = [torch.ones(64), torch.full((64,), 1e-6), torch.ones(64)]
+    importance[1][[5, 17, 40, 63]] = 2e-6  # the dull image's own best four
+    sels = select_tokens(importance, list(torch.randn(3, 64, 8)), 0.2)
+    dull = sels[1]
+    assert dull.kept[~dull.is_context].tolist() == [5, 17, 40, 63]
+    assert sum(len(s.kept) for s in sels) == round(0.2 * 192)
+
+
+def test_floor_larger_than_image():
+    sels = select_tokens(*_random_request([2, 64]), 0.05, min_per_image=4)
+    assert sels[0].kept.tolist() == [0, 1]
+    assert len(sels[1].kept) >= 4
+
+
+def test_apply_selection_embeddings_and_deepstack_agree():
+    importance, keys = _random_request([100])
+    sel = select_tokens(importance, keys, 0.3, context_fraction=0.2)[0]
+    assert sel.is_context.any()
+    layers = torch.randn(3, 100, 16)
+    stacked = apply_selection(layers, sel)
+    assert stacked.shape == (3, len(sel.kept), 16)
+    for layer in range(3):
+        flat = apply_selection(layers[layer], sel)
+        assert torch.equal(stacked[layer], flat)
+        for row, token in enumerate(sel.kept.tolist()):
+            members = (sel.assign == row).nonzero().squeeze(1)
+            if sel.is_context[row]:
+                assert token in members.tolist() and len(members) > 1
+                assert torch.allclose(flat[row], layers[layer, members].mean(0), atol=1e-6)
+            else:
+                assert members.tolist() == [token]
+                assert torch.equal(flat[row], layers[layer, token])
+
+
+def test_apply_selection_bf16_keeps_dominant_rows_exact():
+    importance, keys = _random_request([64])
+    sel = select_tokens(importance, keys, 0.5, context_fraction=0.2)[0]
+    x = torch.randn(64, 8).bfloat16()
+    out = apply_selection(x, sel)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[~sel.is_context], x[sel.kept[~sel.is_context]])
+
+
+def test_keep_all_is_identity():
+    importance, keys = _random_request([16, 64])
+    for sel, n in zip(select_tokens(importance, keys, 1.0), [16, 64]):
+        assert torch.equal(sel.kept, torch.arange(n))
+        assert torch.equal(sel.assign, torch.arange(n))
+        assert not sel.is_context.any()
+        x = torch.randn(2, n, 8)
+        assert torch.equal(apply_selection(x, sel), x)
+
+
+def _brute_importance(q, k, scale):
+    n, heads, _ = q.shape
+    total = torch.zeros(n, dtype=torch.float64)
+    for h in range(heads):
+        for i in range(n):
+            logits = [float(q[i, h] @ k[j, h]) * scale for j in range(n)]
+            z = sum(math.exp(x) for x in logits)
+            total += torch.tensor([math.exp(x) / z for x in logits], dtype=torch.float64)
+    return total / (heads * n) * n
+
+
+def test_patch_importance_matches_brute_force_and_stays_inside_images():
+    g = torch.Generator().manual_seed(0)
+    sizes, heads, d = [5, 12, 7], 3, 8
+    q, k = torch.randn(sum(sizes), heads, d, generator=g), torch.randn(sum(sizes), heads, d, generator=g)
+    cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)
+    scale = d ** -0.5
+    imp = patch_importance(q, k, cu, scale)
+    assert imp.dtype == torch.float32 and imp.shape == (24,)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want = _brute_importance(q[start:end], k[start:end], scale)
+        assert torch.allclose(imp[start:end].double(), want, atol=1e-5)
+        assert imp[start:end].sum().item() == pytest.approx(end - start, abs=1e-4)
+
+    # Changing the middle image changes nothing outside it.
+    k2 = k.clone()
+    k2[5:17] = torch.randn(12, heads, d, generator=g) * 5
+    imp2 = patch_importance(q, k2, cu, scale)
+    assert torch.equal(imp2[:5], imp[:5]) and torch.equal(imp2[17:], imp[17:])
+    assert not torch.allclose(imp2[5:17], imp[5:17])
+
+
+def test_merged_importance_sums_groups_of_four():
+    assert merged_importance(torch.arange(8.0)).tolist() == [6.0, 22.0]
+    with pytest.raises(ValueError):
+        merged_importance(torch.ones(6))
