@@ -25,8 +25,10 @@ INPUTS = {
     "random_seed": ("UINT64", np.uint64),
     "stop_words": ("BYTES", np.object_),
     "ignore_eos": ("BOOL", np.bool_),
+    "visual_keep_ratio": ("FP32", np.float32),
 }
 LIST_INPUTS = {"images", "stop_words"}
+LIST_OUTPUTS = {"visual_tokens_kept"}
 
 
 class ServerError(RuntimeError):
@@ -44,6 +46,9 @@ def _array(name: str, value) -> np.ndarray:
 def _decode(outputs: dict) -> dict:
     result = {}
     for name, arr in outputs.items():
+        if name in LIST_OUTPUTS:
+            result[name] = arr.reshape(-1).tolist()
+            continue
         v = arr.reshape(-1)[0] if arr.size else None
         result[name] = v.decode("utf-8") if isinstance(v, bytes) else (None if v is None else v.item())
     return result
@@ -91,8 +96,9 @@ def _http_body(inputs: dict) -> bytes:
 def _http_result(obj: dict) -> dict:
     if "error" in obj:
         raise ServerError(obj["error"])
-    keep = ("text_output", "input_token_count", "output_token_count", "finish_reason")
-    return {k: (obj[k][0] if isinstance(obj.get(k), list) else obj.get(k)) for k in keep if k in obj}
+    keep = ("text_output", "input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept")
+    return {k: (obj[k][0] if isinstance(obj.get(k), list) and k not in LIST_OUTPUTS else obj[k])
+            for k in keep if k in obj}
 
 
 def http_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> dict:

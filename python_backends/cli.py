@@ -24,11 +24,20 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _inputs(args) -> dict:
+def _add_images(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable, in order)")
+    p.add_argument("--keep-ratio", type=float, default=None, dest="visual_keep_ratio",
+                   help="visual tokens kept, in (0, 1] (default: the server's keep_ratio)")
+
+
+def _inputs(args, images: list[bytes] = ()) -> dict:
     inputs = {"text_input": args.question}
-    inputs.update({k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None})
+    inputs.update({k: getattr(args, k) for k in SAMPLING + ("visual_keep_ratio",) if getattr(args, k) is not None})
     if args.stop:
         inputs["stop_words"] = args.stop
+    images = list(images) + [Path(p).read_bytes() for p in args.image]
+    if images:
+        inputs["images"] = images
     return inputs
 
 
@@ -36,6 +45,8 @@ def stream_answer(url: str, inputs: dict, protocol: str = "grpc", out=sys.stdout
     """Prints the answer as it streams; returns counts and client-side TTFT / TPOT."""
     from zipmoe.clients.triton_client import grpc_generate, http_generate_stream
 
+    if protocol == "http" and inputs.get("images"):
+        raise SystemExit("images need gRPC (Triton's HTTP generate endpoint takes text only)")
     gen = grpc_generate if protocol == "grpc" else http_generate_stream
     start = time.perf_counter()
     first = last = None
@@ -73,11 +84,13 @@ def cmd_ask(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"[{r.get('input_token_count')} prompt tokens, {r.get('output_token_count')} generated, "
-          f"finish: {r.get('finish_reason')}, TTFT {r['client_ttft_ms']:.1f} ms]", file=sys.stderr)
+          f"finish: {r.get('finish_reason')}, visual tokens kept per image: {r.get('visual_tokens_kept')}, "
+          f"TTFT {r['client_ttft_ms']:.1f} ms]", file=sys.stderr)
     return 0
 
 
 def cmd_demo(args) -> int:
+    from zipmoe.build.demo_images import plain_png, receipt_png
     from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else build_tiny_checkpoint(TINY)
@@ -86,16 +99,17 @@ def cmd_demo(args) -> int:
     print(f"starting tritonserver (log: {log}) ...", flush=True)
     with serve.TritonServer(serve.DEFAULT_REPOSITORY, *ports, checkpoint=str(checkpoint), log_path=log) as server:
         models = server.wait_ready()
-        print(f"ready: {', '.join(models)}\n\nQ: {args.question}\nA: ", end="", flush=True)
+        print(f"ready: {', '.join(models)}\n\nQ (a receipt + a plain picture): {args.question}\nA: ", end="",
+              flush=True)
         before = scrape_metrics(server.url_metrics)
-        r = stream_answer(server.url_grpc, _inputs(args))
+        r = stream_answer(server.url_grpc, _inputs(args, [receipt_png(), plain_png()]))
         after = scrape_metrics(server.url_metrics)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     tokens = d.get("zipmoe_decode_tokens_total", 0)
     ttft = d.get("zipmoe_ttft_microseconds_total", 0) / 1e3
     tpot = d.get("zipmoe_decode_microseconds_total", 0) / 1e3 / tokens if tokens else float("nan")
     print(f"\n{r['input_token_count']} prompt tokens, {r['output_token_count']} generated "
-          f"(finish: {r['finish_reason']})")
+          f"(finish: {r['finish_reason']}); visual tokens kept per image: {r['visual_tokens_kept']}")
     print(f"server: TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms   client: TTFT {r['client_ttft_ms']:.1f} ms")
     return 0
 
@@ -113,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 gRPC, :8000 with --http)")
     p.add_argument("--http", action="store_true", help="HTTP generate_stream instead of gRPC")
     _add_sampling(p)
+    _add_images(p)
     p.set_defaults(func=cmd_ask)
 
     p = sub.add_parser("demo", help="build the tiny checkpoint, start a server, ask, print TTFT/TPOT, stop")
     p.add_argument("question", nargs="?", default="Which note mentions the cheapest coffee, and what does it cost?")
     p.add_argument("--checkpoint", default=None, help="HF directory (default: build the tiny one)")
     _add_sampling(p)
+    _add_images(p)
     p.set_defaults(func=cmd_demo, max_tokens=48)
 
     args = parser.parse_args(argv)

@@ -29,7 +29,8 @@ def streamed(url, **inputs):
 
 
 def test_all_models_ready(zipmoe_server):
-    assert zipmoe_server.wait_ready(timeout=5) == ["mm_qa", "moe_decoder", "postprocess", "preprocess"]
+    assert zipmoe_server.wait_ready(timeout=5) == [
+        "image_decode", "mm_qa", "moe_decoder", "postprocess", "preprocess", "vision_encoder"]
 
 
 def test_grpc_stream_and_http_agree(zipmoe_server, tiny_checkpoint):

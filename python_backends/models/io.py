@@ -35,6 +35,19 @@ def resolve_checkpoint(args: dict, params: dict[str, str]) -> Path:
     return path
 
 
+def device_and_dtype(params: dict[str, str]) -> tuple[str, str]:
+    """`device` / `dtype` parameters; auto = cuda + bfloat16 when a GPU is visible, else cpu + float32."""
+    import torch
+
+    device = params.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = params.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
 def get_input(pb_utils, request, name: str) -> np.ndarray | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()

@@ -19,8 +19,10 @@ import triton_python_backend_utils as pb_utils
 
 from ..detokenize import TextStream, TokenBytes
 from ..engine.engine import EngineConfig, LLMEngine, RequestError
+from ..engine.multimodal import VisualInputs, splice_images
 from ..engine.sequence import SamplingParams, Sequence
-from .io import BadInput, error_response, model_parameters, resolve_checkpoint, scalar, strings
+from .io import (BadInput, device_and_dtype, error_response, get_input, model_parameters, resolve_checkpoint, scalar,
+                 strings)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -33,16 +35,13 @@ class Pending:
     stream: bool
     text: TextStream
     arrival: float
+    visual: VisualInputs | None
+    tokens_kept: np.ndarray  # per image, echoed in every response
     seq: Sequence | None = None  # set when the engine thread admits the request
 
 
 def engine_config(params: dict[str, str]) -> EngineConfig:
-    device = params.get("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = params.get("dtype", "auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    device, dtype = device_and_dtype(params)
     ints = {k: int(params[k]) for k in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                                         "max_model_len", "max_tokens_cap") if params.get(k)}
     return EngineConfig(device=device, dtype=dtype, routing_policy=params.get("routing_policy", "topk"), **ints)
@@ -130,9 +129,30 @@ class TritonPythonModel:
             stop=tuple(s for s in strings(pb_utils, request, "stop_words") if s),
             ignore_eos=scalar(pb_utils, request, "ignore_eos", False, bool),
         )
-        self.engine.check_request(ids, params)
+        ids, visual, kept = self._splice(request, ids)
+        self.engine.check_request(ids, params, visual)
         stream = scalar(pb_utils, request, "stream", False, bool)
-        return Pending(ids, params, sender, stream, TextStream(self.token_bytes, params.stop), time.monotonic())
+        return Pending(ids, params, sender, stream, TextStream(self.token_bytes, params.stop), time.monotonic(),
+                       visual, kept)
+
+    def _splice(self, request, ids: list[int]) -> tuple[list[int], VisualInputs | None, np.ndarray]:
+        """Expands each image placeholder to the tokens the vision encoder kept (none for text-only)."""
+        kept = get_input(pb_utils, request, "visual_tokens_kept")
+        kept = np.zeros(0, np.int32) if kept is None else kept.reshape(-1).astype(np.int32)
+        if kept.size == 0:
+            return ids, None, kept
+        width = self.engine.text.hidden_size
+        embeds = torch.from_numpy(get_input(pb_utils, request, "visual_embeds").reshape(-1, width))
+        deepstack = get_input(pb_utils, request, "deepstack_embeds")
+        positions = torch.from_numpy(get_input(pb_utils, request, "visual_positions").reshape(-1, 2))
+        grids = [tuple(g) for g in get_input(pb_utils, request, "image_grids").reshape(-1, 2).tolist()]
+        try:
+            ids, pos, delta = splice_images(ids, self.engine.text.image_token_id, kept.tolist(), positions, grids)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        deep = None if deepstack is None or deepstack.size == 0 else torch.from_numpy(
+            deepstack.reshape(-1, embeds.shape[0], width))
+        return ids, VisualInputs(embeds, deep, pos, delta), kept
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -162,9 +182,13 @@ class TritonPythonModel:
             return
         while True:
             p = item
-            p.seq = self.engine.add_request(p.prompt_ids, p.params)
-            p.seq.arrival = p.arrival  # time to first token counts from execute()
-            self._live[p.seq.seq_id] = p
+            try:
+                p.seq = self.engine.add_request(p.prompt_ids, p.params, visual=p.visual)
+            except RequestError as e:  # checked in execute() already; never let one request fail the others
+                p.sender.send(error_response(pb_utils, str(e)), flags=FINAL)
+            else:
+                p.seq.arrival = p.arrival  # time to first token counts from execute()
+                self._live[p.seq.seq_id] = p
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -191,6 +215,7 @@ class TritonPythonModel:
             pb_utils.Tensor("input_token_count", np.asarray([len(seq.prompt_ids)], dtype=np.int32)),
             pb_utils.Tensor("output_token_count", np.asarray([len(seq.output_ids)], dtype=np.int32)),
             pb_utils.Tensor("finish_reason", np.asarray([(seq.finish_reason or "").encode()], dtype=np.object_)),
+            pb_utils.Tensor("visual_tokens_kept", p.tokens_kept),
         ]
         if seq.finished:
             del self._live[seq.seq_id]

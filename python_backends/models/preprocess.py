@@ -21,9 +21,13 @@ class TritonPythonModel:
             question = scalar(pb_utils, request, "text_input", "", str)
             if not question.strip():
                 raise BadInput("text_input is empty: ask a question")
-            if strings(pb_utils, request, "images"):
-                raise BadInput("this deployment does not take images yet (the image path is not wired)")
-            ids = self.prompt.encode(question)
+            images = strings(pb_utils, request, "images")
+            ids = self.prompt.encode(question, len(images))
         except (BadInput, UnicodeDecodeError) as e:
             return error_response(pb_utils, f"preprocess: {e}")
-        return pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32))])
+        # The images go on from here rather than from the ensemble's input: that makes the pipeline one
+        # chain, and Triton 2.51 crashes when one branch of an ensemble fails while another is in flight.
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32)),
+            pb_utils.Tensor("images_out", np.asarray(images, dtype=np.object_).reshape(-1)),
+        ])

@@ -1,0 +1,157 @@
+"""`image_decode`: encoded images [N] -> Qwen-VL pixel values through DALI (`image_pipeline`).
+
+Per request: the count and empty-image checks; a header pass (DALI's peek_image_shape, CPU, no
+decoding) that refuses an image whose header announces more than max_image_pixels before anything
+that large is allocated; then the image pipeline decodes, smart-resizes, resizes and normalises the
+whole request as one DALI batch. Errors name the image and never take the model down.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import re
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from PIL import Image
+
+from ..image_pipeline import INPUT_NAME, ImageConfig, header_pipeline, image_pipeline
+from .io import BadInput, error_response, model_parameters, resolve_checkpoint, strings
+
+MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
+
+
+def _dali_reason(error: Exception) -> str:
+    """The useful line of a DALI pipeline error (the rest is our own pipeline's traceback)."""
+    m = re.search(r"encountered:\s*(.*?)\s*(?:Current pipeline object|$)", str(error), re.S)
+    reason = re.sub(r"Failed to decode sample #\d+\s*:?", "", m.group(1) if m else str(error))
+    return " ".join(reason.split())
+
+
+class _Pipe:
+    """A DALI pipeline fed one request at a time.
+
+    A pipeline that raised is no longer valid (DALI says so, and refuses the next run), so it is
+    rebuilt. DALI's error does not reliably say which sample failed; to name it, the images are
+    then run one at a time. Building a CPU pipeline takes milliseconds, and this is the error path.
+    """
+
+    def __init__(self, make, failure: str):
+        self._make, self._failure = make, failure
+        self._pipe = self._build()
+
+    def _build(self):
+        pipe = self._make()
+        pipe.build()
+        return pipe
+
+    def _run(self, images):
+        self._pipe.feed_input(INPUT_NAME, images)
+        return self._pipe.run()
+
+    def run(self, images: list[np.ndarray]):
+        try:
+            return self._run(images)
+        except RuntimeError as batch_error:
+            self._pipe = self._build()
+            error = batch_error
+        for i, image in enumerate(images):
+            try:
+                self._run([image])
+            except RuntimeError as e:
+                self._pipe = self._build()
+                detail = _dali_reason(e)
+                raise BadInput(f"image {i}: cannot decode: {self._failure}" + (f" ({detail})" if detail else ""))
+        raise RuntimeError(f"DALI failed on the batch but on no single image: {_dali_reason(error)}")
+
+
+def _warmup_images(count: int) -> list[np.ndarray]:
+    """`count` 1024x768 JPEGs (the typical photo) and one small PNG: the shapes and decoders of real traffic."""
+    y, x = np.mgrid[0:768, 0:1024]
+    rgb = np.stack([x % 256, y % 256, (x + y) % 256], -1).astype(np.uint8)
+    encoded = []
+    for fmt, array in (("JPEG", rgb), ("PNG", rgb[:100, :150])):
+        buf = io.BytesIO()
+        Image.fromarray(array).save(buf, fmt)
+        encoded.append(np.frombuffer(buf.getvalue(), np.uint8))
+    return [encoded[0]] * (count - 1) + [encoded[1]]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        checkpoint = resolve_checkpoint(args, params)
+        cfg = ImageConfig.from_checkpoint(checkpoint)
+        self.max_images = int(params.get("max_images", "64"))
+        self.max_image_pixels = int(params.get("max_image_pixels", "40000000"))
+        if torch.cuda.is_available():  # mixed decoding (nvJPEG / hardware decoder), GPU resize
+            gpu = args.get("model_instance_kind") == "GPU"
+            device_id = int(args["model_instance_device_id"]) if gpu else torch.cuda.current_device()
+            self.device = torch.device("cuda", device_id)
+        else:  # DALI's CPU-only mode: device_id=None, CPU operators only
+            device_id, self.device = None, torch.device("cpu")
+        threads = min(8, os.cpu_count() or 1)
+        self.header = _Pipe(lambda: header_pipeline(batch_size=self.max_images, num_threads=threads),
+                            "not a supported image, or its header is corrupt")
+        self.image = _Pipe(lambda: image_pipeline(cfg, batch_size=self.max_images, num_threads=threads,
+                                                  device_id=device_id, gpu=device_id is not None),
+                           "the image data is corrupt or truncated")
+        # The first run of a batch allocates DALI's buffers (on GPU, the first requests of a new
+        # shape take up to 1 s): pay that at load, with a full batch.
+        warm = _warmup_images(self.max_images)
+        self.header.run(warm)
+        self.image.run(warm)
+        pb_utils.Logger.log_info(
+            f"image_decode: {checkpoint.name} on {self.device}, {threads} DALI threads, factor {cfg.factor}, "
+            f"pixels [{cfg.min_pixels}, {cfg.max_pixels}], at most {self.max_images} images")
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        try:
+            images = [np.frombuffer(data, np.uint8) for data in strings(pb_utils, request, "images")]
+            self._check(images)
+            pixel_values, image_sizes = self._decode(images)
+        except BadInput as e:
+            return error_response(pb_utils, f"image_decode: {e}")
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor.from_dlpack("pixel_values", pixel_values),
+            pb_utils.Tensor("image_sizes", image_sizes),
+        ])
+
+    def _check(self, images: list[np.ndarray]) -> None:
+        if len(images) > self.max_images:
+            raise BadInput(f"{len(images)} images; this deployment accepts at most {self.max_images}")
+        for i, image in enumerate(images):
+            if not image.size:
+                raise BadInput(f"image {i}: empty")
+        if not images:
+            return
+        shapes = self.header.run(images)[0].as_array()
+        for i, (height, width, _) in enumerate(shapes.tolist()):
+            if height * width > self.max_image_pixels:
+                raise BadInput(f"image {i}: {width}x{height} = {height * width} pixels is more than "
+                               f"max_image_pixels {self.max_image_pixels}")
+            if min(height, width) == 0 or max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+                raise BadInput(f"image {i}: {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO}:1")
+
+    def _decode(self, images: list[np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+        """pixel_values: every image's CHW values, concatenated, on the model's device (on GPU
+        handed to Triton through DLPack, never copied to the host); image_sizes: [N, 2] (h, w)."""
+        if not images:
+            return torch.empty(0, dtype=torch.float32, device=self.device), np.zeros((0, 2), np.int32)
+        pixels, sizes = self.image.run(images)
+        # A fresh buffer per request: DALI reuses its output memory on the next run, which comes
+        # before Triton has sent this response when a call carries several requests.
+        out = torch.empty(sum(int(np.prod(s)) for s in pixels.shape()), dtype=torch.float32, device=self.device)
+        if out.numel():
+            dst = ctypes.c_void_p(out.data_ptr())
+            if self.device.type == "cuda":  # every sample back to back; waits for the copy
+                stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+                pixels.copy_to_external(dst, stream)
+            else:
+                pixels.copy_to_external(dst)
+        return out, sizes.as_array()

@@ -1,0 +1,87 @@
+"""`vision_encoder`: ViT + global-budget VisionZip; one vision forward for all requests of an execute().
+
+Not decoupled: an ensemble step may not take inputs from two decoupled models, and moe_decoder
+(decoupled) takes this model's outputs together with preprocess's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..engine.engine import DTYPES
+from ..vision import ImageTokens, VisionEncoder
+from .io import BadInput, device_and_dtype, error_response, model_parameters, resolve_checkpoint, scalar
+
+
+def split_images(pixels: np.ndarray, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
+    """Flat CHW pixels of several images + their (h, w) -> CHW tensors, checked."""
+    sizes = sizes.reshape(-1, 2)
+    need = int((3 * sizes[:, 0] * sizes[:, 1]).sum()) if len(sizes) else 0
+    if pixels.size != need:
+        raise BadInput(f"pixel_values has {pixels.size} values; image_sizes describe {need}")
+    images, start = [], 0
+    flat = torch.from_numpy(np.ascontiguousarray(pixels.reshape(-1), dtype=np.float32))
+    for i, (h, w) in enumerate(sizes.tolist()):
+        if h <= 0 or w <= 0 or h % multiple or w % multiple:
+            raise BadInput(f"image {i}: size {h}x{w} is not a positive multiple of {multiple}")
+        images.append(flat[start:start + 3 * h * w].view(3, h, w))
+        start += 3 * h * w
+    return images
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        device, dtype = device_and_dtype(params)
+        self.encoder = VisionEncoder(resolve_checkpoint(args, params), torch.device(device), DTYPES[dtype],
+                                     int(params.get("importance_layer", "-1")))
+        self.keep_ratio = float(params.get("keep_ratio", "0.6"))
+        self.context_fraction = float(params.get("context_fraction", "0.05"))
+        self.min_per_image = int(params.get("min_tokens_per_image", "4"))
+        self.multiple = self.encoder.patch * self.encoder.merge
+
+    def execute(self, requests):
+        responses: list = [None] * len(requests)
+        jobs = []  # (index, images, keep ratio) of the valid requests
+        for i, request in enumerate(requests):
+            try:
+                ratio = scalar(pb_utils, request, "visual_keep_ratio", self.keep_ratio, float)
+                if not 0.0 < ratio <= 1.0:
+                    raise BadInput(f"visual_keep_ratio must be in (0, 1], got {ratio}")
+                pixels = pb_utils.get_input_tensor_by_name(request, "pixel_values").as_numpy()
+                sizes = pb_utils.get_input_tensor_by_name(request, "image_sizes").as_numpy()
+                jobs.append((i, split_images(pixels, sizes, self.multiple), ratio))
+            except BadInput as e:
+                responses[i] = error_response(pb_utils, f"vision_encoder: {e}")
+        if jobs:
+            try:
+                results = self.encoder.encode([im for _, images, _ in jobs for im in images], [r for *_, r in jobs],
+                                              [len(images) for _, images, _ in jobs], self.context_fraction,
+                                              self.min_per_image)
+            except Exception as e:  # one bad batch must not take the model down
+                results = [e] * len(jobs)
+            for (i, _, _), tokens in zip(jobs, results):
+                responses[i] = (error_response(pb_utils, f"vision_encoder failed: {tokens!r}")
+                                if isinstance(tokens, Exception) else self._response(tokens))
+        return responses
+
+    def _response(self, tokens: list[ImageTokens]):
+        enc = self.encoder
+        width = enc.model.config.out_hidden_size
+        layers = len(enc.model.config.deepstack_visual_indexes)
+        if tokens:
+            embeds = torch.cat([t.embeds for t in tokens]).float().cpu().numpy()
+            deepstack = torch.cat([t.deepstack for t in tokens], dim=1).float().cpu().numpy()
+            positions = torch.cat([t.positions for t in tokens]).int().numpy()
+        else:  # zero images is a valid request: empty tensors of the right rank
+            embeds = np.zeros((0, width), np.float32)
+            deepstack = np.zeros((layers, 0, width), np.float32)
+            positions = np.zeros((0, 2), np.int32)
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("visual_embeds", embeds),
+            pb_utils.Tensor("deepstack_embeds", deepstack),
+            pb_utils.Tensor("visual_positions", positions),
+            pb_utils.Tensor("image_grids", np.asarray([t.grid for t in tokens], np.int32).reshape(-1, 2)),
+            pb_utils.Tensor("visual_tokens_kept", np.asarray([t.embeds.shape[0] for t in tokens], np.int32)),
+        ])
