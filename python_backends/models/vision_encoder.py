@@ -73,7 +73,7 @@ class TritonPythonModel:
         if tokens:
             embeds = torch.cat([t.embeds for t in tokens]).float().cpu().numpy()
             deepstack = torch.cat([t.deepstack for t in tokens], dim=1).float().cpu().numpy()
-            positions = torch.cat([t.positions for t in tokens]).int().numpy()
+            positions = torch.cat([t.positions for t in tokens]).int().cpu().numpy()
         else:  # zero images is a valid request: empty tensors of the right rank
             embeds = np.zeros((0, width), np.float32)
             deepstack = np.zeros((layers, 0, width), np.float32)
