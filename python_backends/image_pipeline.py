@@ -84,7 +84,9 @@ def preprocess(encoded, cfg: ImageConfig, decode_device: str):
     # when the images themselves are decoded on the GPU.
     shape = fn.peek_image_shape(encoded, dtype=types.INT64)  # HWC
     height, width = smart_resize(shape[0], shape[1], cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB)  # gray/alpha -> RGB
+    # gray/alpha -> RGB. Fancy (interpolating) chroma upsampling makes nvJPEG on the GPU match libjpeg
+    # on the CPU; without it JPEG colour edges differ by up to ~36 of 255 levels.
+    images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, jpeg_fancy_upsampling=True)
     # Bicubic with antialiasing on downscale, like PIL's BICUBIC that the HF processor uses; the
     # result stays uint8 as in the HF processor (it resizes uint8 images, then rescales).
     images = fn.resize(images, resize_y=fn.cast(height, dtype=types.FLOAT), resize_x=fn.cast(width, dtype=types.FLOAT),

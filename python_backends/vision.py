@@ -6,7 +6,6 @@ gets how much attention each patch receives; the merged tokens then compete for 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,18 +16,9 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 from .checkpoint import TensorStore
-from .visionzip import apply_selection, merged_importance, patch_importance, select_tokens
+from .visionzip import ImageFeatures, merged_importance, patch_importance
 
 VISUAL_PREFIX = "model.visual."
-
-
-@dataclass
-class ImageTokens:
-    """What the decoder needs of one image after VisionZip."""
-    embeds: torch.Tensor  # [K, D] kept tokens, original order
-    deepstack: torch.Tensor  # [L, K, D] deepstack features pruned with the same selection
-    positions: torch.Tensor  # [K, 2] (row, col) of each kept token in the merged grid
-    grid: tuple[int, int]  # merged grid (rows, cols) of the whole image
 
 
 def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
@@ -72,39 +62,24 @@ class VisionEncoder:
         self._captured.update(q=q, k=k, cu_seqlens=kwargs["cu_seqlens"], scale=attn.scaling)
 
     @torch.inference_mode()
-    def encode(self, images: list[torch.Tensor], keep_ratios: list[float], image_groups: list[int],
-               context_fraction: float = 0.05, min_per_image: int = 4) -> list[list[ImageTokens]]:
-        """images: normalised CHW tensors (sides multiples of patch*merge) of several requests, concatenated;
-        image_groups: how many images each request has; keep_ratios: one per request. One vision forward
-        for all of them; VisionZip per request (its images share one budget)."""
+    def features(self, images: list[torch.Tensor]) -> list[ImageFeatures]:
+        """One vision forward for all images (normalised CHW, sides multiples of patch * merge)."""
         if not images:
-            return [[] for _ in image_groups]
+            return []
         grids = torch.tensor([[1, im.shape[1] // self.patch, im.shape[2] // self.patch] for im in images])
         pixels = torch.cat([patchify(im.to(self.device, torch.float32), self.patch, self.merge, self.temporal)
                             for im in images]).to(self.dtype)
         out = self.model(pixels, grid_thw=grids.to(self.device), return_dict=True)
         unit = self.merge * self.merge
-        tokens_per_image = (grids.prod(-1) // unit).tolist()
-        embeds = out.pooler_output.split(tokens_per_image)
-        deepstack = torch.stack(out.deepstack_features).split(tokens_per_image, dim=1)  # each [L, N_i, D]
+        per_image = (grids.prod(-1) // unit).tolist()
+        embeds = out.pooler_output.split(per_image)
+        deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)  # each [L, N_i, D]
         c = self._captured
         importance = merged_importance(patch_importance(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
         keys = c["k"].float().mean(1)  # [P, d]: head-averaged keys ...
         keys = keys.reshape(-1, unit, keys.shape[-1]).mean(1)  # ... averaged over each merged token's patches
-        importance, keys = importance.split(tokens_per_image), keys.split(tokens_per_image)
-
-        results, start = [], 0
-        for n_images, ratio in zip(image_groups, keep_ratios):
-            span = range(start, start + n_images)
-            start += n_images
-            selections = select_tokens([importance[i] for i in span], [keys[i] for i in span], ratio,
-                                       context_fraction, min_per_image)
-            request = []
-            for i, sel in zip(span, selections):
-                gh, gw = int(grids[i, 1]) // self.merge, int(grids[i, 2]) // self.merge
-                rows, cols = sel.kept // gw, sel.kept % gw
-                request.append(ImageTokens(apply_selection(embeds[i], sel), apply_selection(deepstack[i], sel),
-                                           torch.stack([rows, cols], dim=1), (gh, gw)))
-            results.append(request)
-        return results
-
+        # Token selection is small and branchy: it runs on the host, one copy of [N] + [N, d] values.
+        importance, keys = importance.cpu().split(per_image), keys.cpu().split(per_image)
+        return [ImageFeatures(embeds[i], deepstack[i], importance[i], keys[i],
+                              (int(grids[i, 1]) // self.merge, int(grids[i, 2]) // self.merge))
+                for i in range(len(images))]

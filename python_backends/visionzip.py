@@ -140,11 +140,53 @@ def apply_selection(features: Tensor, sel: ImageSelection) -> Tensor:
     token is assigned only itself, so it is copied exactly; a contextual one averages its group."""
     if sel.kept.shape[0] == features.shape[-2]:
         return features  # everything kept (keep_ratio 1.0): nothing is folded, no copy needed
-    valid = sel.assign >= 0
-    target = sel.assign[valid]
+    # The selection is made on the host (small, branchy); the features may live on the GPU.
+    valid = (sel.assign >= 0).to(features.device)
+    target = sel.assign.to(features.device)[valid]
     # Accumulate in float32 so contextual means of bf16 features do not lose precision.
     sums = features.new_zeros(*features.shape[:-2], sel.kept.shape[0], features.shape[-1],
                               dtype=torch.float32)
     sums.index_add_(-2, target, features[..., valid, :].float())
     counts = torch.bincount(target, minlength=sel.kept.shape[0]).unsqueeze(-1)
     return (sums / counts).to(features.dtype)
+
+
+@dataclass
+class ImageFeatures:
+    """One image after the vision tower, before compression (what the BLS cache holds)."""
+    embeds: Tensor  # [N, D] merged tokens
+    deepstack: Tensor  # [L, N, D]
+    importance: Tensor  # [N] on the host
+    keys: Tensor  # [N, dk] on the host
+    grid: tuple[int, int]  # merged grid (rows, cols)
+
+
+@dataclass
+class ImageTokens:
+    """What the decoder needs of one image after VisionZip."""
+    embeds: Tensor  # [K, D] kept tokens, original order
+    deepstack: Tensor  # [L, K, D] pruned with the same selection
+    positions: Tensor  # [K, 2] (row, col) of each kept token in the merged grid
+    grid: tuple[int, int]
+
+
+def compress(images: list[ImageFeatures], keep_ratio: float, context_fraction: float = 0.05,
+             min_per_image: int = 4) -> list[ImageTokens]:
+    """VisionZip for one request: its images share one budget. The folding runs once for all images
+    (two scatter-adds in all, whatever the image count), so it stays cheap on a GPU."""
+    if not images:
+        return []
+    sels = select_tokens([f.importance for f in images], [f.keys for f in images], keep_ratio,
+                         context_fraction, min_per_image)
+    kept = [len(s.kept) for s in sels]
+    positions = [torch.stack([s.kept // f.grid[1], s.kept % f.grid[1]], dim=1) for f, s in zip(images, sels)]
+    if kept == [f.embeds.shape[0] for f in images]:  # nothing dropped (keep 1.0): no copies
+        return [ImageTokens(f.embeds, f.deepstack, p, f.grid) for f, p in zip(images, positions)]
+    # One selection over the concatenated tokens of all images: rows of image i shift by its offsets.
+    offsets = torch.tensor([0] + kept[:-1]).cumsum(0).tolist()
+    assign = torch.cat([torch.where(s.assign >= 0, s.assign + o, -1) for s, o in zip(sels, offsets)])
+    combined = ImageSelection(kept=torch.arange(sum(kept)), is_context=torch.cat([s.is_context for s in sels]),
+                              assign=assign)
+    embeds = apply_selection(torch.cat([f.embeds for f in images]), combined).split(kept)
+    deepstack = apply_selection(torch.cat([f.deepstack for f in images], dim=1), combined).split(kept, dim=1)
+    return [ImageTokens(e, d, p, f.grid) for e, d, p, f in zip(embeds, deepstack, positions, images)]

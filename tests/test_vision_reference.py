@@ -10,6 +10,7 @@ from zipmoe.engine.multimodal import VisualInputs, splice_images
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder, patchify
+from zipmoe.visionzip import compress
 
 SIZES = [(64, 96), (128, 64), (32, 32)]  # (h, w), multiples of patch * merge = 32
 STEPS = 16
@@ -28,7 +29,7 @@ def reference(tiny_checkpoint):
 
 def visual_request(encoder, chat, images, keep):
     """What moe_decoder builds from the vision encoder's outputs."""
-    [tokens] = encoder.encode(images, [keep], [len(images)])
+    tokens = compress(encoder.features(images), keep)
     prompt = chat.encode("Compare these pictures.", len(images))
     ids, positions, delta = splice_images(
         prompt, encoder_image_token(chat), [t.embeds.shape[0] for t in tokens],

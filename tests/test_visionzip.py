@@ -216,3 +216,20 @@ def test_merged_importance_sums_groups_of_four():
     assert merged_importance(torch.arange(8.0)).tolist() == [6.0, 22.0]
     with pytest.raises(ValueError):
         merged_importance(torch.ones(6))
+
+
+def test_compress_equals_per_image_selection():
+    """compress folds all images at once; it must equal selecting and folding image by image."""
+    from zipmoe.visionzip import ImageFeatures, compress
+
+    g = torch.Generator().manual_seed(5)
+    grids = [(4, 6), (2, 2), (5, 3)]
+    feats = [ImageFeatures(torch.randn(r * c, 8, generator=g), torch.randn(2, r * c, 8, generator=g),
+                           torch.rand(r * c, generator=g), torch.randn(r * c, 4, generator=g), (r, c))
+             for r, c in grids]
+    out = compress(feats, 0.5, context_fraction=0.2, min_per_image=2)
+    sels = select_tokens([f.importance for f in feats], [f.keys for f in feats], 0.5, 0.2, 2)
+    for f, s, t in zip(feats, sels, out):
+        torch.testing.assert_close(t.embeds, apply_selection(f.embeds, s))
+        torch.testing.assert_close(t.deepstack, apply_selection(f.deepstack, s))
+        assert t.positions.tolist() == [[int(k) // f.grid[1], int(k) % f.grid[1]] for k in s.kept]

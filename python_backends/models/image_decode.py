@@ -21,6 +21,14 @@ from ..image_pipeline import INPUT_NAME, ImageConfig, header_pipeline, image_pip
 from .io import BadInput, error_response, model_parameters, resolve_checkpoint, strings
 
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
+EOI_WINDOW = 4096  # a JPEG's end-of-image marker must be within this many bytes of its end
+
+
+def truncated_jpeg(data: np.ndarray) -> bool:
+    """A JPEG without its end-of-image marker near the end was cut short. nvJPEG on the GPU decodes
+    such data without complaint (grey fill), so this host check keeps CPU and GPU behaviour equal.
+    Entropy-coded data never holds FF D9 (FF is byte-stuffed), so the marker cannot be faked."""
+    return data[:2].tobytes() == b"\xff\xd8" and b"\xff\xd9" not in data[-EOI_WINDOW:].tobytes()
 
 
 def _dali_reason(error: Exception) -> str:
@@ -128,6 +136,8 @@ class TritonPythonModel:
         for i, image in enumerate(images):
             if not image.size:
                 raise BadInput(f"image {i}: empty")
+            if truncated_jpeg(image):
+                raise BadInput(f"image {i}: cannot decode: the image data is corrupt or truncated (a JPEG without its end)")
         if not images:
             return
         shapes = self.header.run(images)[0].as_array()

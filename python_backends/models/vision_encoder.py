@@ -10,7 +10,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..engine.engine import DTYPES
-from ..vision import ImageTokens, VisionEncoder
+from ..vision import VisionEncoder
+from ..visionzip import ImageFeatures, ImageTokens, compress
 from .io import BadInput, device_and_dtype, error_response, model_parameters, resolve_checkpoint, scalar
 
 
@@ -56,17 +57,22 @@ class TritonPythonModel:
                 responses[i] = error_response(pb_utils, f"vision_encoder: {e}")
         if jobs:
             try:
-                results = self.encoder.encode([im for _, images, _ in jobs for im in images], [r for *_, r in jobs],
-                                              [len(images) for _, images, _ in jobs], self.context_fraction,
-                                              self.min_per_image)
+                feats = self.encoder.features([im for _, images, _ in jobs for im in images])
             except Exception as e:  # one bad batch must not take the model down
-                results = [e] * len(jobs)
-            for (i, _, _), tokens in zip(jobs, results):
-                responses[i] = (error_response(pb_utils, f"vision_encoder failed: {tokens!r}")
-                                if isinstance(tokens, Exception) else self._response(tokens))
+                for i, _, _ in jobs:
+                    responses[i] = error_response(pb_utils, f"vision_encoder failed: {e!r}")
+                return responses
+            start = 0
+            for i, images, ratio in jobs:
+                mine = feats[start:start + len(images)]
+                start += len(images)
+                tokens = compress(mine, ratio, self.context_fraction, self.min_per_image)
+                wants = set(requests[i].requested_output_names())
+                responses[i] = self._response(tokens, mine if wants & {"token_importance", "token_keys"} else None)
         return responses
 
-    def _response(self, tokens: list[ImageTokens]):
+    def _response(self, tokens: list[ImageTokens], features: list[ImageFeatures] | None):
+        """features: also send every token's importance and key (what mm_qa_bls caches per image)."""
         enc = self.encoder
         width = enc.model.config.out_hidden_size
         layers = len(enc.model.config.deepstack_visual_indexes)
@@ -78,7 +84,13 @@ class TritonPythonModel:
             embeds = np.zeros((0, width), np.float32)
             deepstack = np.zeros((layers, 0, width), np.float32)
             positions = np.zeros((0, 2), np.int32)
-        return pb_utils.InferenceResponse([
+        extra = []
+        if features is not None:
+            keys = torch.cat([f.keys for f in features]) if features else torch.zeros(0, 1)
+            extra = [pb_utils.Tensor("token_importance", torch.cat([f.importance for f in features]).float().numpy()
+                                     if features else np.zeros(0, np.float32)),
+                     pb_utils.Tensor("token_keys", keys.float().numpy())]
+        return pb_utils.InferenceResponse(extra + [
             pb_utils.Tensor("visual_embeds", embeds),
             pb_utils.Tensor("deepstack_embeds", deepstack),
             pb_utils.Tensor("visual_positions", positions),
