@@ -15,14 +15,14 @@ from ..visionzip import ImageFeatures, ImageTokens, compress
 from .io import BadInput, device_and_dtype, error_response, model_parameters, resolve_checkpoint, scalar
 
 
-def split_images(pixels: np.ndarray, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
-    """Flat CHW pixels of several images + their (h, w) -> CHW tensors, checked."""
+def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
+    """Flat CHW pixels of several images (host or GPU) + their (h, w) -> CHW views, checked."""
     sizes = sizes.reshape(-1, 2)
     need = int((3 * sizes[:, 0] * sizes[:, 1]).sum()) if len(sizes) else 0
-    if pixels.size != need:
-        raise BadInput(f"pixel_values has {pixels.size} values; image_sizes describe {need}")
+    if pixels.numel() != need:
+        raise BadInput(f"pixel_values has {pixels.numel()} values; image_sizes describe {need}")
     images, start = [], 0
-    flat = torch.from_numpy(np.ascontiguousarray(pixels.reshape(-1), dtype=np.float32))
+    flat = pixels.reshape(-1)
     for i, (h, w) in enumerate(sizes.tolist()):
         if h <= 0 or w <= 0 or h % multiple or w % multiple:
             raise BadInput(f"image {i}: size {h}x{w} is not a positive multiple of {multiple}")
@@ -50,7 +50,8 @@ class TritonPythonModel:
                 ratio = scalar(pb_utils, request, "visual_keep_ratio", self.keep_ratio, float)
                 if not 0.0 < ratio <= 1.0:
                     raise BadInput(f"visual_keep_ratio must be in (0, 1], got {ratio}")
-                pixels = pb_utils.get_input_tensor_by_name(request, "pixel_values").as_numpy()
+                # dlpack: image_decode's GPU tensor arrives as it is (config: FORCE_CPU_ONLY_INPUT_TENSORS no).
+                pixels = torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, "pixel_values").to_dlpack())
                 sizes = pb_utils.get_input_tensor_by_name(request, "image_sizes").as_numpy()
                 jobs.append((i, split_images(pixels, sizes, self.multiple), ratio))
             except BadInput as e:
