@@ -8,6 +8,7 @@ Hugging Face checkpoint by name (`model.language_model.*`, `lm_head.weight`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,8 @@ class Qwen3VLMoeTextDecoder:
         self.layers = [Layer(i, cfg, store, dtype, device) for i in range(cfg.num_layers)]
         self.rope = MRope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
         self.scale = cfg.head_dim ** -0.5
+        # Called as hook(layer_index, x) with each MoE layer's input [T, hidden] (offline calibration).
+        self.moe_input_hook: Callable[[int, torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv: KVCache,
@@ -148,6 +151,8 @@ class Qwen3VLMoeTextDecoder:
         return F.linear(out.reshape(T, -1), layer.o)
 
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        if self.moe_input_hook is not None:
+            self.moe_input_hook(layer.idx, x)
         ids, weights = route_topk(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
         if not step.is_prefill:
             ids, weights = self.policy.route(layer.idx, ids, weights, step.opt_out)
