@@ -26,6 +26,7 @@ INPUTS = {
     "stop_words": ("BYTES", np.object_),
     "ignore_eos": ("BOOL", np.bool_),
     "visual_keep_ratio": ("FP32", np.float32),
+    "sere": ("BOOL", np.bool_),
 }
 LIST_INPUTS = {"images", "stop_words"}
 LIST_OUTPUTS = {"visual_tokens_kept"}

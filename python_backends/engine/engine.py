@@ -11,7 +11,7 @@ import torch
 from ..checkpoint import TensorStore, TextConfig
 from .kv_cache import BlockManager, KVCache
 from .model import Qwen3VLMoeTextDecoder
-from .moe import make_policy
+from .routing import make_policy
 from .multimodal import VisualInputs
 from .runner import ModelRunner
 from .sampler import make_generator
@@ -31,7 +31,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     max_tokens_cap: int = 1024
-    routing_policy: str = "topk"
+    routing_policy: str = "topk"  # topk | sere | oea (decode steps only)
+    sere_primary_k: int = 2
+    sere_threshold: float = 0.5
+    sere_protect: bool = True
+    oea_k0: int = 2
+    routing_min_batch: int = 1  # decode batches smaller than this keep plain top-K
 
     def validate(self, text: TextConfig) -> None:
         if self.dtype not in DTYPES:
@@ -58,7 +63,11 @@ class LLMEngine:
         device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
         store = TensorStore(checkpoint)
-        self.model = Qwen3VLMoeTextDecoder(self.text, store, dtype, device, make_policy(config.routing_policy))
+        policy = make_policy(config.routing_policy, self.text.top_k, checkpoint, device,
+                             sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
+                             sere_protect=config.sere_protect, oea_k0=config.oea_k0,
+                             normalize=self.text.norm_topk_prob)
+        self.model = Qwen3VLMoeTextDecoder(self.text, store, dtype, device, policy, config.routing_min_batch)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, config.num_kv_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, dtype, device)

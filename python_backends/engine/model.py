@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .kv_cache import KVCache
-from .moe import RoutingPolicy, experts_reference, route_topk
+from .moe import experts_reference, route_topk
+from .routing import RoutingPolicy, RoutingStats
 from .rope import MRope, apply_rope
 
 
@@ -84,11 +85,13 @@ def _expert_layout(t: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
 
 class Qwen3VLMoeTextDecoder:
     def __init__(self, cfg: TextConfig, store: TensorStore, dtype: torch.dtype, device: torch.device,
-                 policy: RoutingPolicy):
+                 policy: RoutingPolicy, routing_min_batch: int = 1):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.policy = policy
+        self.routing_min_batch = routing_min_batch  # smaller decode batches keep plain top-K
+        self.routing_stats = RoutingStats()
         self.embed = store.get(TEXT_PREFIX + "embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = store.get(TEXT_PREFIX + "norm.weight").to(device=device, dtype=dtype)
         if cfg.tie_word_embeddings or "lm_head.weight" not in store:
@@ -153,9 +156,13 @@ class Qwen3VLMoeTextDecoder:
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
-        ids, weights = route_topk(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+        probs, ids, weights = route_topk(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
         if not step.is_prefill:
-            ids, weights = self.policy.route(layer.idx, ids, weights, step.opt_out)
+            routed, weights = ids, weights
+            if x.shape[0] >= self.routing_min_batch:
+                routed, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
+            self.routing_stats.add(ids, routed)
+            ids = routed
         return experts_reference(x, ids, weights, layer.gate_up, layer.down)
 
     @staticmethod

@@ -37,14 +37,24 @@ class Pending:
     arrival: float
     visual: VisualInputs | None
     tokens_kept: np.ndarray  # per image, echoed in every response
+    opt_out: bool  # the client sent sere=false: this request keeps its top-K experts
     seq: Sequence | None = None  # set when the engine thread admits the request
 
 
 def engine_config(params: dict[str, str]) -> EngineConfig:
     device, dtype = device_and_dtype(params)
     ints = {k: int(params[k]) for k in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                        "max_model_len", "max_tokens_cap") if params.get(k)}
-    return EngineConfig(device=device, dtype=dtype, routing_policy=params.get("routing_policy", "topk"), **ints)
+                                        "max_model_len", "max_tokens_cap", "sere_primary_k", "oea_k0",
+                                        "routing_min_batch") if params.get(k)}
+    extra = {}
+    if params.get("sere_threshold"):
+        extra["sere_threshold"] = float(params["sere_threshold"])
+    if params.get("sere_protect"):
+        if params["sere_protect"].lower() not in ("true", "false"):
+            raise ValueError(f"sere_protect must be true or false, got {params['sere_protect']!r}")
+        extra["sere_protect"] = params["sere_protect"].lower() == "true"
+    return EngineConfig(device=device, dtype=dtype, routing_policy=params.get("routing_policy", "topk"),
+                        **ints, **extra)
 
 
 class TritonPythonModel:
@@ -92,6 +102,14 @@ class TritonPythonModel:
         }
         self._gauge_values: dict[str, int] = {}
         self._preemptions = 0
+        # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
+        self.m_routing = {
+            "layer_steps": counter("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
+            "union_before": counter("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
+            "union_after": counter("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
+            "rerouted_slots": counter("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
+        }
+        self._routing_sent = dict.fromkeys(self.m_routing, 0)
 
     def _update_gauges(self):
         """Sets the engine gauges when they change (each set is a round trip to the server)."""
@@ -102,6 +120,12 @@ class TritonPythonModel:
             if self._gauge_values.get(k) != v:
                 self.m_gauges[k].set(v)
                 self._gauge_values[k] = v
+        stats = self.engine.model.routing_stats
+        for k, metric in self.m_routing.items():
+            value = getattr(stats, k)
+            if value != self._routing_sent[k]:
+                metric.increment(value - self._routing_sent[k])
+                self._routing_sent[k] = value
         if sched.num_preemptions != self._preemptions:
             self.m_preemptions.increment(sched.num_preemptions - self._preemptions)
             self._preemptions = sched.num_preemptions
@@ -132,8 +156,9 @@ class TritonPythonModel:
         ids, visual, kept = self._splice(request, ids)
         self.engine.check_request(ids, params, visual)
         stream = scalar(pb_utils, request, "stream", False, bool)
+        opt_out = not scalar(pb_utils, request, "sere", True, bool)
         return Pending(ids, params, sender, stream, TextStream(self.token_bytes, params.stop), time.monotonic(),
-                       visual, kept)
+                       visual, kept, opt_out)
 
     def _splice(self, request, ids: list[int]) -> tuple[list[int], VisualInputs | None, np.ndarray]:
         """Expands each image placeholder to the tokens the vision encoder kept (none for text-only)."""
@@ -183,7 +208,7 @@ class TritonPythonModel:
         while True:
             p = item
             try:
-                p.seq = self.engine.add_request(p.prompt_ids, p.params, visual=p.visual)
+                p.seq = self.engine.add_request(p.prompt_ids, p.params, opt_out=p.opt_out, visual=p.visual)
             except RequestError as e:  # checked in execute() already; never let one request fail the others
                 p.sender.send(error_response(pb_utils, str(e)), flags=FINAL)
             else:

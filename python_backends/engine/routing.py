@@ -1,0 +1,131 @@
+"""Batch-aware routing policies for decode steps: fewer distinct experts per layer, same weights.
+
+In a decode batch every distinct expert costs one read of its weights, so what matters is the
+union of experts the batch activates, not each token's top-K. A policy rewrites one MoE layer's
+(ids, weights) for the T tokens of a decode step. Prefill never goes through here.
+
+- `topk`: the router's choice, unchanged.
+- `sere` (arXiv 2602.07616): the batch's primary set P = union of every token's first K' experts;
+  a secondary slot (rank >= K') holding e keeps e if e is in P or protected, else moves to the
+  most similar p in P when sim[e, p] >= rho. Weights stay; a duplicate id simply adds up.
+- `oea` (arXiv 2511.02237): each token keeps its top-k0; its other slots may only take experts the
+  batch already uses (union of everyone's top-k0), best-scoring first; weights renormalised.
+
+Tokens of requests that opted out keep their top-K (they still contribute primaries).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RoutingStats:
+    """Sums over decode layer-steps; their ratios are the mean union before/after re-routing."""
+    layer_steps: int = 0
+    union_before: int = 0
+    union_after: int = 0
+    rerouted_slots: int = 0
+
+    def add(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        self.layer_steps += 1
+        self.union_before += int(torch.unique(before).numel())
+        self.union_after += int(torch.unique(after).numel())
+        self.rerouted_slots += int((before != after).sum())
+
+
+class RoutingPolicy:
+    name = "topk"
+
+    def route(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              opt_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """probs [T, E] router softmax; ids/weights [T, K] top-K sorted by score -> new (ids, weights)."""
+        return ids, weights
+
+
+class SerePolicy(RoutingPolicy):
+    name = "sere"
+
+    def __init__(self, similarity: torch.Tensor, protect: torch.Tensor, layer_rows: dict[int, int],
+                 primary_k: int = 2, threshold: float = 0.5, use_protect: bool = True):
+        self.similarity = similarity  # [L_moe, E, E]
+        self.protect = protect if use_protect else torch.zeros_like(protect)  # [L_moe, E] bool
+        self.layer_rows = layer_rows  # decoder layer index -> row of the tables
+        self.primary_k = primary_k
+        self.threshold = threshold
+
+    def route(self, layer, probs, ids, weights, opt_out):
+        k1 = self.primary_k
+        if k1 >= ids.shape[1]:
+            return ids, weights
+        row = self.layer_rows[layer]
+        E = self.similarity.shape[-1]
+        primary = torch.zeros(E, dtype=torch.bool, device=ids.device)
+        primary[ids[:, :k1].reshape(-1)] = True
+        # For every expert, its most similar primary expert (argmax picks the lowest id on ties).
+        sim = self.similarity[row].masked_fill(~primary[None, :], float("-inf"))
+        best_sim, best = sim.max(dim=1)
+        secondary = ids[:, k1:]
+        move = ~primary[secondary] & ~self.protect[row][secondary] & (best_sim[secondary] >= self.threshold)
+        if opt_out is not None:
+            move &= ~opt_out[:, None]
+        out = ids.clone()
+        out[:, k1:] = torch.where(move, best[secondary], secondary)
+        return out, weights
+
+
+class OeaPolicy(RoutingPolicy):
+    name = "oea"
+
+    def __init__(self, k0: int = 2, normalize: bool = True):
+        self.k0 = k0
+        self.normalize = normalize
+
+    def route(self, layer, probs, ids, weights, opt_out):
+        K, k0 = ids.shape[1], self.k0
+        if k0 >= K:
+            return ids, weights
+        E = probs.shape[1]
+        union = torch.zeros(E, dtype=torch.bool, device=ids.device)
+        union[ids[:, :k0].reshape(-1)] = True
+        # Candidates for the other slots: experts in the union, not already among the token's top-k0.
+        allowed = union[None, :].expand(ids.shape[0], E).clone()
+        allowed.scatter_(1, ids[:, :k0], False)
+        scores = probs.masked_fill(~allowed, -1.0)
+        fill_p, fill = scores.topk(K - k0, dim=1)
+        empty = fill_p < 0  # fewer candidates than slots: the slot keeps weight 0
+        new_ids = torch.cat([ids[:, :k0], torch.where(empty, ids[:, :1], fill)], dim=1)
+        new_w = torch.cat([probs.gather(1, ids[:, :k0]), fill_p.clamp(min=0)], dim=1)
+        if self.normalize:
+            new_w = new_w / new_w.sum(dim=1, keepdim=True)
+        new_w = new_w.to(weights.dtype)
+        if opt_out is not None:
+            keep = opt_out[:, None]
+            new_ids, new_w = torch.where(keep, ids, new_ids), torch.where(keep, weights, new_w)
+        return new_ids, new_w
+
+
+POLICIES = ("topk", "sere", "oea")
+
+
+def make_policy(name: str, top_k: int, checkpoint, device: torch.device, *, sere_primary_k: int = 2,
+                sere_threshold: float = 0.5, sere_protect: bool = True, oea_k0: int = 2,
+                normalize: bool = True) -> RoutingPolicy:
+    """The configured policy; `sere` needs the checkpoint's calibration file (a clear error without it)."""
+    if name == "topk":
+        return RoutingPolicy()
+    if name == "oea":
+        if not 1 <= oea_k0 <= top_k:
+            raise ValueError(f"oea_k0 must be in [1, {top_k}], got {oea_k0}")
+        return OeaPolicy(oea_k0, normalize)
+    if name == "sere":
+        if not 1 <= sere_primary_k <= top_k:
+            raise ValueError(f"sere_primary_k must be in [1, {top_k}], got {sere_primary_k}")
+        from ..sere_file import load_sere
+
+        tables = load_sere(checkpoint)
+        rows = {layer: i for i, layer in enumerate(tables.moe_layers)}
+        return SerePolicy(tables.similarity.to(device), tables.protect.to(device), rows, sere_primary_k,
+                          sere_threshold, sere_protect)
+    raise ValueError(f"unknown routing_policy {name!r}; choose one of {', '.join(POLICIES)}")

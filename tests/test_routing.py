@@ -1,0 +1,110 @@
+"""Routing policies on hand-built cases, and in the engine (reference: DESIGN.md "SERE routing")."""
+from __future__ import annotations
+
+import torch
+
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.moe import experts_reference
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
+from zipmoe.engine.sequence import SamplingParams
+
+E = 6
+
+
+def sere(sim, protect=None, k1=1, rho=0.5):
+    protect = torch.zeros(1, E, dtype=torch.bool) if protect is None else protect
+    return SerePolicy(sim[None], protect, {0: 0}, primary_k=k1, threshold=rho)
+
+
+def similarity():
+    """Expert 3 is close to 0 (0.9), expert 4 close to 1 (0.6), expert 5 like nobody (0.1)."""
+    sim = torch.full((E, E), 0.1)
+    sim.fill_diagonal_(1.0)
+    for a, b, s in [(3, 0, 0.9), (4, 1, 0.6), (2, 1, 0.7)]:
+        sim[a, b] = sim[b, a] = s
+    return sim
+
+
+# Two tokens, top-3 each; primaries (k1 = 1) are {0, 1}.
+IDS = torch.tensor([[0, 3, 5], [1, 4, 2]])
+W = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+PROBS = torch.zeros(2, E)
+
+
+def test_sere_moves_secondaries_to_most_similar_primary():
+    ids, w = sere(similarity()).route(0, PROBS, IDS, W, None)
+    assert ids.tolist() == [[0, 0, 5], [1, 1, 1]]  # 3->0 (0.9), 5 stays (0.1 < 0.5), 4->1, 2->1
+    assert torch.equal(w, W)  # weights untouched
+    assert set(ids.unique().tolist()) <= set(IDS.unique().tolist())  # union never grows
+
+
+def test_sere_keeps_protected_and_below_threshold_and_primary_slots():
+    protect = torch.zeros(1, E, dtype=torch.bool)
+    protect[0, 3] = True
+    ids, _ = sere(similarity(), protect, rho=0.65).route(0, PROBS, IDS, W, None)
+    assert ids.tolist() == [[0, 3, 5], [1, 4, 1]]  # 3 protected; 4 (0.6 < 0.65) stays; 2 (0.7) moves
+    already = torch.tensor([[0, 1, 5], [1, 0, 2]])  # secondaries 1 and 0 are primaries: kept
+    ids, _ = sere(similarity()).route(0, PROBS, already, W, None)
+    assert ids[:, 1].tolist() == [1, 0]
+
+
+def test_sere_with_k_prime_equal_k_and_opt_out_is_plain_topk():
+    ids, _ = sere(similarity(), k1=3).route(0, PROBS, IDS, W, None)
+    assert torch.equal(ids, IDS)
+    ids, _ = sere(similarity()).route(0, PROBS, IDS, W, torch.tensor([True, False]))
+    assert ids.tolist() == [[0, 3, 5], [1, 1, 1]]  # token 0 opted out; it still supplied primary 0
+
+
+def test_duplicate_ids_add_their_weights():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, generator=g)
+    gate_up, down = torch.randn(E, 2 * 4, 8, generator=g), torch.randn(E, 8, 4, generator=g)
+    dup = experts_reference(x, torch.tensor([[1, 1], [2, 3]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]]), gate_up, down)
+    one = experts_reference(x, torch.tensor([[1, 2], [2, 3]]), torch.tensor([[1.0, 0.0], [0.5, 0.5]]), gate_up, down)
+    torch.testing.assert_close(dup, one)
+
+
+def test_oea_fills_only_from_the_union_and_renormalises():
+    probs = torch.tensor([[0.40, 0.05, 0.05, 0.30, 0.15, 0.05],
+                          [0.05, 0.50, 0.20, 0.05, 0.10, 0.10]])
+    ids = probs.topk(3).indices
+    w = probs.gather(1, ids)
+    new_ids, new_w = OeaPolicy(k0=1).route(0, probs, ids, w / w.sum(1, keepdim=True), None)
+    union = {0, 1}  # everyone's top-1
+    assert set(new_ids[:, 1:].unique().tolist()) <= union | set(new_ids[:, :1].reshape(-1).tolist())
+    assert new_ids[0].tolist()[:2] == [0, 1] and new_ids[1].tolist()[:2] == [1, 0]
+    torch.testing.assert_close(new_w.sum(1), torch.ones(2))
+    assert new_w[0, 2] == 0 and new_w[1, 2] == 0  # no third union member: empty slot, weight 0
+
+
+PROMPTS = [list(range(10 + i, 30 + i)) for i in range(16)]
+
+
+def run(checkpoint, policy: RoutingPolicy, n=16, steps=12):
+    eng = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=512))
+    eng.model.policy = policy
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in PROMPTS[:n]]
+    while eng.has_work:
+        eng.step()
+    return [s.output_ids for s in seqs], eng.model.routing_stats
+
+
+def random_tables(seed=0, layers=4, experts=16):
+    g = torch.Generator().manual_seed(seed)
+    sim = torch.rand(layers, experts, experts, generator=g)
+    sim = (sim + sim.transpose(1, 2)) / 2
+    return sim, torch.zeros(layers, experts, dtype=torch.bool), {i: i for i in range(layers)}
+
+
+def test_sere_above_one_is_exactly_topk(tiny_checkpoint):
+    want, base = run(tiny_checkpoint, RoutingPolicy())
+    got, stats = run(tiny_checkpoint, SerePolicy(*random_tables(), primary_k=2, threshold=1.5))
+    assert got == want and stats.rerouted_slots == 0 and stats.union_after == stats.union_before
+
+
+def test_sere_shrinks_the_mean_union_of_a_16_request_batch(tiny_checkpoint):
+    _, base = run(tiny_checkpoint, RoutingPolicy())
+    _, stats = run(tiny_checkpoint, SerePolicy(*random_tables(), primary_k=2, threshold=0.0))
+    assert stats.rerouted_slots > 0
+    assert stats.union_after / stats.layer_steps < base.union_after / base.layer_steps
+    assert stats.union_before >= stats.union_after
