@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-checkpoint: $(STAMP)
+checkpoint: $(CHECKPOINT)/sere.safetensors
+
+# The builder skips a checkpoint that is up to date, leaving its stamp (and so this rule) untouched.
+$(CHECKPOINT)/zipmoe_build.json: $(STAMP) build/tiny_checkpoint.py
 	$(PY) -m zipmoe.build.tiny_checkpoint --out $(CHECKPOINT)
+
+$(CHECKPOINT)/sere.safetensors: $(CHECKPOINT)/zipmoe_build.json build/sere_calibrate.py
+	$(VENV)/bin/zipmoe calibrate $(CHECKPOINT) --device cpu
 
 demo: checkpoint
 	$(VENV)/bin/zipmoe demo --checkpoint $(CHECKPOINT)

@@ -89,7 +89,8 @@ class TensorStore:
 
     def __init__(self, path: str | Path):
         path = Path(path)
-        files = sorted(path.glob("*.safetensors"))
+        # sere.safetensors (SERE calibration) sits beside the weights but is not part of them.
+        files = sorted(f for f in path.glob("*.safetensors") if f.name != "sere.safetensors")
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         self._where: dict[str, Path] = {}

@@ -1,4 +1,4 @@
-"""`zipmoe` command line: serve, ask, demo."""
+"""`zipmoe` command line: serve, ask, demo, calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,11 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:  # its own parser: `zipmoe calibrate --help`
+        from zipmoe.build.sere_calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     parser = argparse.ArgumentParser(prog="zipmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling(p)
     _add_images(p)
     p.set_defaults(func=cmd_demo, max_tokens=48)
+
+    sub.add_parser("calibrate", help="SERE calibration: write sere.safetensors beside a checkpoint (--help)")
 
     args = parser.parse_args(argv)
     if args.command == "ask" and args.url is None:

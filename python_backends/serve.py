@@ -110,27 +110,55 @@ def server_env(server: Path) -> dict[str, str]:
 
 # key: "checkpoint_path" <sep> value: { string_value: "<old>" }; pbtxt allows `:` to be
 # omitted before a message and `,`/`;` between fields.
-_CHECKPOINT_RE = re.compile(
-    r'(key\s*:\s*"checkpoint_path"\s*[,;]?\s*value\s*:?\s*\{\s*string_value\s*:\s*)"((?:[^"\\]|\\.)*)"'
-)
+def _parameter_re(key: str) -> re.Pattern:
+    """key: "KEY" <sep> value: { string_value: "<old>" }; pbtxt allows `:` to be omitted before a
+    message and `,`/`;` between fields."""
+    return re.compile(r'(key\s*:\s*"' + re.escape(key) +
+                      r'"\s*[,;]?\s*value\s*:?\s*\{\s*string_value\s*:\s*)"((?:[^"\\]|\\.)*)"')
 
 
-def render_repository(src: Path, dst: Path, checkpoint: str | None) -> Path:
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_repository(src: Path, dst: Path, checkpoint: str | None,
+                      overrides: dict[str, dict[str, str]] | None = None) -> Path:
     """Copy the model repository to dst with every `checkpoint_path` parameter made absolute.
 
     With `checkpoint` given, it replaces the configured path. Otherwise a relative configured path
     keeps meaning what it means for the original repository: relative to the folder holding it.
+    `overrides` {model: {parameter: value}} sets existing config.pbtxt parameters of a model.
     """
     src, dst = Path(src).resolve(), Path(dst)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
 
     def absolute(match: re.Match) -> str:
         path = Path(checkpoint).expanduser().resolve() if checkpoint is not None else src.parent / match.group(2)
-        return match.group(1) + '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return match.group(1) + _quote(str(path))
 
     for config in dst.glob("*/config.pbtxt"):
-        config.write_text(_CHECKPOINT_RE.sub(absolute, config.read_text()))
+        text = _parameter_re("checkpoint_path").sub(absolute, config.read_text())
+        for key, value in (overrides or {}).get(config.parent.name, {}).items():
+            text, found = _parameter_re(key).subn(lambda m, v=value: m.group(1) + _quote(v), text)
+            if not found:
+                raise ValueError(f"{config.parent.name}/config.pbtxt has no parameter {key!r} to set")
+        config.write_text(text)
+    unknown = set(overrides or {}) - {c.parent.name for c in dst.glob("*/config.pbtxt")}
+    if unknown:
+        raise ValueError(f"no model named {', '.join(sorted(unknown))} in {src}")
     return dst
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
+    """["moe_decoder.routing_policy=sere", ...] -> {"moe_decoder": {"routing_policy": "sere"}}."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        model, dot, key = name.partition(".")
+        if not (sep and dot and model and key):
+            raise ValueError(f"--set wants MODEL.PARAMETER=VALUE, got {item!r}")
+        out.setdefault(model, {})[key] = value
+    return out
 
 
 def free_port() -> int:
@@ -164,10 +192,12 @@ class TritonServer:
         log_path=None,
         extra_args=(),
         host: str = "127.0.0.1",
+        overrides: dict[str, dict[str, str]] | None = None,
     ):
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.checkpoint = checkpoint
+        self.overrides = overrides
         self.log_path = Path(log_path) if log_path is not None else None
         self.extra_args = list(extra_args)
         self.host = host
@@ -193,7 +223,8 @@ class TritonServer:
     def start(self) -> None:
         server = find_tritonserver()
         self._workdir = Path(tempfile.mkdtemp(prefix="zipmoe-serve-"))
-        repo = render_repository(self.model_repository, self._workdir / "model_repository", self.checkpoint)
+        repo = render_repository(self.model_repository, self._workdir / "model_repository", self.checkpoint,
+                                 self.overrides)
         cmd = [
             str(server),
             f"--model-repository={repo}",
@@ -313,12 +344,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="checkpoint directory for every model's checkpoint_path parameter")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     parser.add_argument("--log-file", type=Path, help="server log (default: this terminal)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
+                        help="override a config.pbtxt parameter, e.g. moe_decoder.routing_policy=sere (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
     server = TritonServer(
         args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, checkpoint=args.checkpoint, log_path=args.log_file, host=args.host,
+        overrides=parse_overrides(args.set),
     )
     signalled = []
 

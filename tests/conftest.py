@@ -37,3 +37,24 @@ def zipmoe_server(tiny_checkpoint, tmp_path_factory):
     with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log, **ports) as s:
         s.wait_ready(timeout=300)
         yield s
+
+
+@pytest.fixture(scope="session")
+def sere_server(tiny_checkpoint, tmp_path_factory):
+    """A second server whose moe_decoder routes decode steps with SERE (the tiny checkpoint calibrated)."""
+    from zipmoe.build.sere_calibrate import calibrate
+    from zipmoe.sere_file import load_sere
+
+    try:
+        load_sere(tiny_checkpoint)
+    except (FileNotFoundError, ValueError):  # missing, or left from an earlier build of the checkpoint
+        calibrate(tiny_checkpoint)
+    log = tmp_path_factory.mktemp("sere_server") / "server.log"
+    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    # The tiny checkpoint is random: its experts are nearly equally unlike (similarity ~0.07), so the
+    # default threshold 0.5 would move nothing; rho = 0 always moves to the most similar primary.
+    overrides = {"moe_decoder": {"routing_policy": "sere", "sere_threshold": "0.0"}}
+    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log,
+                            overrides=overrides, **ports) as s:
+        s.wait_ready(timeout=300)
+        yield s

@@ -255,3 +255,19 @@ def test_run_stops_cleanly_on_sigint(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_render_repository_sets_parameters(tmp_path):
+    src = tmp_path / "src"
+    (src / "m" / "1").mkdir(parents=True)
+    (src / "m" / "config.pbtxt").write_text(CONFIG_WITH_PARAMS)
+    out = serve.render_repository(src, tmp_path / "dst", None,
+                                  serve.parse_overrides(["m.max_tokens=8", 'm.other_path=/new "x"']))
+    text = (out / "m" / "config.pbtxt").read_text()
+    assert 'string_value: "8"' in text and r'"/new \"x\""' in text
+    with pytest.raises(ValueError, match="no parameter 'nope'"):
+        serve.render_repository(src, tmp_path / "d2", None, {"m": {"nope": "1"}})
+    with pytest.raises(ValueError, match="no model named ghost"):
+        serve.render_repository(src, tmp_path / "d3", None, {"ghost": {"x": "1"}})
+    with pytest.raises(ValueError, match="MODEL.PARAMETER=VALUE"):
+        serve.parse_overrides(["max_tokens=8"])
