@@ -30,7 +30,7 @@ def streamed(url, **inputs):
 
 def test_all_models_ready(zipmoe_server):
     assert zipmoe_server.wait_ready(timeout=5) == [
-        "image_decode", "mm_qa", "moe_decoder", "postprocess", "preprocess", "vision_encoder"]
+        "image_decode", "mm_qa", "mm_qa_bls", "moe_decoder", "postprocess", "preprocess", "vision_encoder"]
 
 
 def test_grpc_stream_and_http_agree(zipmoe_server, tiny_checkpoint):
@@ -82,21 +82,32 @@ def _blocks(server):
     return m["zipmoe_kv_blocks_free"], m["zipmoe_kv_blocks_total"]
 
 
-def test_cancelled_stream_frees_its_blocks(zipmoe_server):
-    client = grpcclient.InferenceServerClient(zipmoe_server.url_grpc)
+def start_long_stream(url, model, tensors):
+    """Opens a gRPC stream, sends one long request and waits for its first 5 responses."""
+    client = grpcclient.InferenceServerClient(url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     inputs = []
-    for name, dtype, value in [("text_input", "BYTES", np.array([b"tell me everything"], dtype=object)),
-                               ("max_tokens", "INT32", np.array([1000], dtype=np.int32)),
-                               ("ignore_eos", "BOOL", np.array([True])), ("stream", "BOOL", np.array([True]))]:
+    for name, dtype, value in tensors:
         t = grpcclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         inputs.append(t)
-    client.async_stream_infer("mm_qa", inputs)
+    client.async_stream_infer(model, inputs)
     for _ in range(5):
         result, error = got.get(timeout=60)
         assert error is None
+    return client
+
+
+LONG = [("max_tokens", "INT32", np.array([1024], dtype=np.int32)), ("ignore_eos", "BOOL", np.array([True])),
+        ("stream", "BOOL", np.array([True]))]
+
+
+def test_cancelled_stream_frees_its_blocks(zipmoe_server, tiny_checkpoint):
+    """The decoder sees the cancellation (is_cancelled) and frees the sequence's KV blocks at once."""
+    ids = np.array(AutoTokenizer.from_pretrained(tiny_checkpoint).encode("tell me everything"), dtype=np.int32)
+    before = scrape_metrics(zipmoe_server.url_metrics)
+    client = start_long_stream(zipmoe_server.url_grpc, "moe_decoder", [("input_ids", "INT32", ids)] + LONG)
     free, total = _blocks(zipmoe_server)
     assert free < total  # the request holds blocks while it decodes
     client.stop_stream(cancel_requests=True)
@@ -105,6 +116,10 @@ def test_cancelled_stream_frees_its_blocks(zipmoe_server):
     while _blocks(zipmoe_server)[0] != total:
         assert time.time() < deadline, "cancelled request still holds KV blocks"
         time.sleep(0.2)
+    after = scrape_metrics(zipmoe_server.url_metrics)
+    # Stopped by the cancellation, not by running out of tokens.
+    assert after["zipmoe_requests_cancelled_total"] - before.get("zipmoe_requests_cancelled_total", 0) == 1
+    assert after["zipmoe_requests_completed_total"] == before["zipmoe_requests_completed_total"]
     assert http_generate(zipmoe_server.url_http, text_input="still there?", max_tokens=2)["output_token_count"] == 2
 
 

@@ -18,13 +18,18 @@ BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
   it is the last one, so the client gets each relayed response without flags and then a
   FINAL-only response (as the ensemble does).
 - There is no way to cancel an in-flight BLS request (`ResponseIterator.cancel()` arrived in
-  r25.04), and the client's cancellation does not reach the inner moe_decoder request. On
-  cancellation this model stops relaying and closes the client's stream at once; the decoder
-  still runs the inner request to its end, and the dropped iterator waits for that end (its
-  destructor drains the remaining responses), keeping the worker thread busy until then.
+  r25.04), and the client's cancellation does not reach the inner moe_decoder request (nor does it
+  through the mm_qa ensemble: measured, the decoder generates all max_tokens). On cancellation
+  this model stops relaying (no more postprocess calls or sends), reads the decoder's remaining
+  responses, and only then sends the final flag. Reading to the end: the stub frees a decoupled
+  BLS iterator only once it has yielded the last response (an abandoned one leaks). Final flag
+  last: while the client's request is open the server does not finalize this model; sent earlier,
+  a shutdown right after a cancellation finalized it while the decoder still streamed to it, and
+  the stop hung for its whole exit timeout (measured).
 """
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +44,8 @@ from .io import BadInput, error_response, get_input, model_parameters, scalar, s
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Client inputs handed to moe_decoder unchanged, when the client gave them.
-DECODER_INPUTS = ("max_tokens", "stream", "temperature", "top_p", "top_k", "random_seed", "stop_words", "ignore_eos")
+DECODER_INPUTS = ("max_tokens", "stream", "temperature", "top_p", "top_k", "random_seed", "stop_words", "ignore_eos",
+                  "sere")
 ENCODER_OUTPUTS = ["visual_embeds", "deepstack_embeds", "image_grids", "visual_tokens_kept", "token_importance",
                    "token_keys"]
 # moe_decoder outputs that go to the client as they are (text_output comes from postprocess).
@@ -58,21 +64,39 @@ class Job:
     images: list[bytes]
     keep_ratio: float
     decoder_inputs: dict[str, np.ndarray]
+    decoder_stream: object = None  # moe_decoder's response iterator while it is not read to its end
 
 
-def infer(model: str, inputs: dict[str, np.ndarray], outputs: list[str], decoupled: bool = False):
-    request = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
-                                        inputs=[pb_utils.Tensor(name, value) for name, value in inputs.items()])
-    if decoupled:
-        return request.exec(decoupled=True)
-    response = request.exec()
+def bls_request(model: str, inputs: dict, outputs: list[str]):
+    """inputs: numpy arrays, or tensors another model returned (passed on as they are: on a GPU,
+    image_decode's pixel_values stay on the GPU on their way to vision_encoder)."""
+    tensors = [v if isinstance(v, pb_utils.Tensor) else pb_utils.Tensor(k, v) for k, v in inputs.items()]
+    return pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=tensors)
+
+
+def infer(model: str, inputs: dict, outputs: list[str]) -> dict:
+    """One BLS call to a model that is not decoupled: its output tensors by name."""
+    response = bls_request(model, inputs, outputs).exec()
     check(response)
-    return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+    return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
 
 
 def check(response) -> None:
     if response.has_error():
         raise ModelError(response.error().message())
+
+
+def renumber_images(message: str, positions: list[int]) -> str:
+    """image_decode and vision_encoder name an image by its index in the batch they got (the cache
+    misses); the client needs its index in the request."""
+    def fix(m: re.Match) -> str:
+        i = int(m.group(1))
+        return f"image {positions[i] if i < len(positions) else i}"
+    return re.sub(r"\bimage (\d+)", fix, message)
+
+
+def _owned(array: np.ndarray, index) -> torch.Tensor:
+    return torch.from_numpy(array[index].copy())
 
 
 def split_features(out: dict[str, np.ndarray]) -> list[ImageFeatures]:
@@ -88,12 +112,9 @@ def split_features(out: dict[str, np.ndarray]) -> list[ImageFeatures]:
     for count, grid in zip(counts, grids):
         rows = slice(start, start + count)
         start += count
-
-        def own(array: np.ndarray, index) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array[index]).copy())
-
-        features.append(ImageFeatures(own(out["visual_embeds"], rows), own(out["deepstack_embeds"], (slice(None), rows)),
-                                      own(out["token_importance"], rows), own(out["token_keys"], rows), grid))
+        features.append(ImageFeatures(_owned(out["visual_embeds"], rows),
+                                      _owned(out["deepstack_embeds"], (slice(None), rows)),
+                                      _owned(out["token_importance"], rows), _owned(out["token_keys"], rows), grid))
     return features
 
 
@@ -127,27 +148,30 @@ class TritonPythonModel:
             self._families.append(family)
             return family.Metric(labels={"model": "mm_qa_bls"})
 
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        # cache attribute -> its metric; published as deltas since the last publication
-        self._published = {
+        counter = pb_utils.MetricFamily.COUNTER
+        # cache counter -> its metric, published as the growth since the last publication
+        self._counters = {
             "hits": metric(counter, "zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
             "misses": metric(counter, "zipmoe_bls_cache_misses_total", "Images sent to image_decode + vision_encoder"),
             "evictions": metric(counter, "zipmoe_bls_cache_evictions_total", "Cached images evicted for space"),
         }
-        self._bytes_gauge = metric(gauge, "zipmoe_bls_cache_bytes", "Bytes of vision features in the cache")
-        self._last = dict.fromkeys(self._published, 0)
+        self._bytes = metric(pb_utils.MetricFamily.GAUGE, "zipmoe_bls_cache_bytes", "Bytes of vision features cached")
+        self._published = {name: 0 for name in [*self._counters, "bytes"]}
         self._metrics_lock = threading.Lock()
 
     def _publish_metrics(self):
-        # Each increment/set is a round trip to the server; the lock keeps two workers from
-        # publishing the same delta twice.
+        # Each increment/set is a round trip to the server, so only changes are sent; the lock keeps
+        # two workers from publishing the same growth twice.
         with self._metrics_lock:
-            for name, metric in self._published.items():
-                value = getattr(self.cache, name)
-                if value != self._last[name]:
-                    metric.increment(value - self._last[name])
-                    self._last[name] = value
-            self._bytes_gauge.set(self.cache.bytes)
+            for name, value in self._published.items():
+                now = getattr(self.cache, name)
+                if now == value:
+                    continue
+                if name == "bytes":
+                    self._bytes.set(now)
+                else:
+                    self._counters[name].increment(now - value)
+                self._published[name] = now
 
     def execute(self, requests):
         for request in requests:
@@ -179,51 +203,60 @@ class TritonPythonModel:
     # --- worker threads ------------------------------------------------------------------------
 
     def _serve(self, job: Job):
+        final = None
         try:
             self._answer(job)
         except ModelError as e:
-            job.sender.send(error_response(pb_utils, str(e)), flags=FINAL)
+            final = error_response(pb_utils, str(e))
         except Exception as e:  # a bug must not leave the client waiting
             pb_utils.Logger.log_error(f"mm_qa_bls: request failed: {e!r}")
-            job.sender.send(error_response(pb_utils, f"mm_qa_bls failed: {e!r}"), flags=FINAL)
+            final = error_response(pb_utils, f"mm_qa_bls failed: {e!r}")
+        finally:
+            if job.decoder_stream is not None:  # cancelled, or an error: see the module docstring
+                for _ in job.decoder_stream:
+                    pass
+        job.sender.send(final, flags=FINAL)
 
     def _answer(self, job: Job):
         text_in = {"text_input": np.asarray([job.question.encode("utf-8")], np.object_)}
         if job.images:
             text_in["images"] = np.asarray(job.images, np.object_)
-        decoder_in = {"input_ids": infer("preprocess", text_in, ["input_ids"])["input_ids"], **job.decoder_inputs}
+        decoder_in = {**infer("preprocess", text_in, ["input_ids"]), **job.decoder_inputs}
         if job.images:
             tokens = compress(self._features(job.images), job.keep_ratio, self.context_fraction, self.min_per_image)
             decoder_in.update(visual_inputs(tokens))
         if job.sender.is_cancelled():
-            job.sender.send(flags=FINAL)
             return
-        for response in infer("moe_decoder", decoder_in, ["output_ids", "text_range", *RELAYED], decoupled=True):
+        outputs = ["output_ids", "text_range", *RELAYED]
+        job.decoder_stream = bls_request("moe_decoder", decoder_in, outputs).exec(decoupled=True)
+        for response in job.decoder_stream:
             check(response)
             if job.sender.is_cancelled():
-                break  # see the module docstring: the inner request cannot be cancelled in 2.51
+                return
             if not response.output_tensors():  # an empty final response
                 continue
-            window = {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy()
-                      for name in ("output_ids", "text_range")}
-            text = infer("postprocess", window, ["text_output"])["text_output"]
-            job.sender.send(pb_utils.InferenceResponse(
-                [pb_utils.Tensor("text_output", text)] + [pb_utils.get_output_tensor_by_name(response, name)
-                                                          for name in RELAYED]))
-        job.sender.send(flags=FINAL)
+            out = {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
+            text = infer("postprocess", {name: out[name] for name in ("output_ids", "text_range")}, ["text_output"])
+            job.sender.send(pb_utils.InferenceResponse([text["text_output"]] + [out[name] for name in RELAYED]))
+        job.decoder_stream = None
 
     def _features(self, images: list[bytes]) -> list[ImageFeatures]:
-        """Each image's features, from the cache or (the misses, once each, in one call) the vision tower."""
+        """Each image's features: from the cache, or (the misses, once each, in one call) from the vision tower."""
         keys = [content_key(image) for image in images]
-        found = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
+        position = {}  # key -> index of its first image in the request
+        for i, key in enumerate(keys):
+            position.setdefault(key, i)
+        found = {key: self.cache.get(key) for key in position}
         missing = [key for key, value in found.items() if value is None]
         if missing:
-            first = {key: image for key, image in reversed(list(zip(keys, images)))}  # key -> its image
-            pixels = infer("image_decode", {"images": np.asarray([first[k] for k in missing], np.object_)},
-                           ["pixel_values", "image_sizes"])
-            # keep 1.0: every token, with its importance and key, so VisionZip can run here per request
-            out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32)}, ENCODER_OUTPUTS)
-            for key, value in zip(missing, split_features(out)):
+            try:
+                pixels = infer("image_decode", {"images": np.asarray([images[position[k]] for k in missing], np.object_)},
+                               ["pixel_values", "image_sizes"])
+                # Keep ratio 1.0: every token, with its importance and key, so VisionZip can run here.
+                out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32)}, ENCODER_OUTPUTS)
+            except ModelError as e:
+                raise ModelError(renumber_images(str(e), [position[k] for k in missing])) from None
+            for key, value in zip(missing, split_features({name: t.as_numpy() for name, t in out.items()})):
                 self.cache.put(key, value)
                 found[key] = value
         self._publish_metrics()

@@ -94,6 +94,7 @@ class TritonPythonModel:
         self.m_decode_tokens = counter("zipmoe_decode_tokens_total", "Tokens generated after the first one")
         self.m_prompt_tokens = counter("zipmoe_prompt_tokens_total", "Prompt tokens prefilled")
         self.m_preemptions = counter("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks")
+        self.m_cancelled = counter("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled")
         self.m_gauges = {
             "free": gauge("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
             "total": gauge("zipmoe_kv_blocks_total", "KV cache blocks in all"),
@@ -224,6 +225,7 @@ class TritonPythonModel:
             if p.sender.is_cancelled():
                 self.engine.abort(p.seq)
                 del self._live[p.seq.seq_id]
+                self.m_cancelled.increment(1)
                 self._send(p, None, FINAL)
 
     def _respond(self, p: Pending, token: int):

@@ -1,0 +1,85 @@
+"""mm_qa_bls on a real server: the same answers as the mm_qa ensemble, the visual-feature cache, validation."""
+from __future__ import annotations
+
+import pytest
+
+from test_images_server import note
+from zipmoe.cli import scrape_metrics
+from zipmoe.clients.triton_client import ServerError, grpc_generate
+
+pytestmark = pytest.mark.integration
+
+
+def streamed(server, model, images, keep=None, **extra):
+    """Greedy streamed answer: every response, each text delta and count included."""
+    inputs = dict(text_input="What do these notes say?", max_tokens=12, ignore_eos=True, stream=True, **extra)
+    if images:
+        inputs["images"] = images
+    if keep is not None:
+        inputs["visual_keep_ratio"] = keep
+    return list(grpc_generate(server.url_grpc, model=model, **inputs))
+
+
+def cache_counts(server) -> dict[str, float]:
+    metrics = scrape_metrics(server.url_metrics)
+    return {k: metrics.get(f"zipmoe_bls_cache_{k}", 0.0) for k in ("hits_total", "misses_total", "bytes")}
+
+
+# In this order the cache changes the batches: 3 images = 1 cached + 2 encoded together, 30 = 3 + 27.
+@pytest.mark.parametrize("n", [0, 1, 3, 30])
+@pytest.mark.parametrize("keep", [1.0, 0.6])
+def test_same_answers_as_the_ensemble(zipmoe_server, n, keep):
+    images = [note(i) for i in range(n)]
+    ensemble = streamed(zipmoe_server, "mm_qa", images, keep)
+    bls = streamed(zipmoe_server, "mm_qa_bls", images, keep)
+    assert bls == ensemble
+    assert len(bls) == 12 and len(bls[-1]["visual_tokens_kept"]) == n
+
+
+def test_repeated_image_is_served_from_the_cache(zipmoe_server):
+    image = note(41)  # not used by any other test
+    before = cache_counts(zipmoe_server)
+    first = streamed(zipmoe_server, "mm_qa_bls", [image])
+    seen = cache_counts(zipmoe_server)
+    again = streamed(zipmoe_server, "mm_qa_bls", [note(40), image], keep=1.0)
+    after = cache_counts(zipmoe_server)
+    assert seen["misses_total"] - before["misses_total"] == 1 and seen["hits_total"] == before["hits_total"]
+    assert after["hits_total"] - seen["hits_total"] == 1 and after["misses_total"] - seen["misses_total"] == 1
+    assert after["bytes"] > 0
+    assert first == streamed(zipmoe_server, "mm_qa_bls", [image])  # a cached image answers the same
+    assert again == streamed(zipmoe_server, "mm_qa", [note(40), image], keep=1.0)
+
+
+def test_too_many_images_is_refused(zipmoe_server):
+    with pytest.raises(ServerError, match="65 images; this deployment accepts at most 64"):
+        streamed(zipmoe_server, "mm_qa_bls", [note(0)] * 65)
+
+
+@pytest.mark.parametrize("images, message", [
+    ([b""], "image 0: empty"),
+    ([note(0), b"not an image at all"], "image 1"),  # note(0) is cached: image_decode gets only the bad one
+    ([note(1), note(2)[:40]], "image 1"),
+])
+def test_bad_image_is_named_and_the_next_request_works(zipmoe_server, images, message):
+    with pytest.raises(ServerError, match=message):
+        streamed(zipmoe_server, "mm_qa_bls", images)
+    assert streamed(zipmoe_server, "mm_qa_bls", [note(3)])[-1]["output_token_count"] == 12
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (dict(text_input="  "), "text_input is empty"),
+    (dict(text_input="What is this?", images=[note(0)], visual_keep_ratio=1.5), "visual_keep_ratio"),
+])
+def test_invalid_request_is_refused(zipmoe_server, inputs, message):
+    with pytest.raises(ServerError, match=message):
+        list(grpc_generate(zipmoe_server.url_grpc, model="mm_qa_bls", **inputs))
+
+
+def test_cancelled_stream_leaves_the_server_answering(zipmoe_server):
+    stream = grpc_generate(zipmoe_server.url_grpc, model="mm_qa_bls", text_input="Tell me everything.",
+                           images=[note(5)], max_tokens=200, ignore_eos=True, stream=True)
+    for count, _ in enumerate(stream, 1):
+        if count == 3:
+            break
+    stream.close()  # stops the gRPC stream with cancel_requests=True
+    assert streamed(zipmoe_server, "mm_qa_bls", [note(5)])[-1]["output_token_count"] == 12
