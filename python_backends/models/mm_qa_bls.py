@@ -7,8 +7,8 @@ runs at keep ratio 1.0 and also returns every token's importance and key); Visio
 over all images of the request, cached or not, under the request's one token budget.
 
 Per request, on a worker thread (execute() returns at once, so streams run concurrently):
-preprocess -> [misses only] image_decode -> vision_encoder -> VisionZip -> moe_decoder (decoupled)
--> postprocess per streamed response -> client.
+preprocess -> [misses only, batched with other requests' misses] image_decode -> vision_encoder ->
+VisionZip -> moe_decoder (decoupled) -> postprocess per streamed response -> client.
 
 BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
 - A BLS call holds one thread of the backend's per-instance pool (python backend config
@@ -29,9 +29,10 @@ BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
 """
 from __future__ import annotations
 
+import queue
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +119,63 @@ def split_features(out: dict[str, np.ndarray]) -> list[ImageFeatures]:
     return features
 
 
+def encode_images(images: list[bytes]) -> list[ImageFeatures]:
+    """image_decode -> vision_encoder at keep ratio 1.0 (every token, with its importance and key,
+    so VisionZip can run here) -> one ImageFeatures per image."""
+    pixels = infer("image_decode", {"images": np.asarray(images, np.object_)}, ["pixel_values", "image_sizes"])
+    out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32)}, ENCODER_OUTPUTS)
+    return split_features({name: t.as_numpy() for name, t in out.items()})
+
+
+class VisionBatcher:
+    """Gathers the cache misses of every request waiting and sends them through the vision tower in
+    one call (at most `max_images`): concurrent requests share a vision forward. If a shared call
+    fails (one request's image does not decode), each request is retried alone, so the error
+    reaches only its owner."""
+
+    def __init__(self, max_images: int):
+        self.max_images = max_images
+        self._queue: queue.Queue[tuple[list[bytes], Future]] = queue.Queue()
+        threading.Thread(target=self._loop, name="mm_qa_bls-vision", daemon=True).start()
+
+    def features(self, images: list[bytes]) -> list[ImageFeatures]:
+        done: Future = Future()
+        self._queue.put((images, done))
+        return done.result()
+
+    def _loop(self):
+        while True:
+            batch = [self._queue.get()]
+            count = len(batch[0][0])
+            while True:  # take whatever else waits, as long as it fits
+                try:
+                    images, done = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if count + len(images) > self.max_images:
+                    self._queue.put((images, done))  # next round (order among waiters does not matter)
+                    break
+                batch.append((images, done))
+                count += len(images)
+            self._run(batch)
+
+    @staticmethod
+    def _run(batch):
+        try:
+            features = encode_images([im for images, _ in batch for im in images])
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0][1].set_exception(e)
+                return
+            for job in batch:
+                VisionBatcher._run([job])
+            return
+        start = 0
+        for images, done in batch:
+            done.set_result(features[start:start + len(images)])
+            start += len(images)
+
+
 def visual_inputs(tokens: list[ImageTokens]) -> dict[str, np.ndarray]:
     """moe_decoder's visual inputs, as the ensemble maps them from vision_encoder."""
     return {
@@ -137,6 +195,7 @@ class TritonPythonModel:
         self.context_fraction = float(params.get("context_fraction", "0.05"))
         self.min_per_image = int(params.get("min_tokens_per_image", "4"))
         self.cache = EmbeddingCache(int(params.get("cache_bytes", "268435456")))
+        self.vision = VisionBatcher(self.max_images)
         self.pool = ThreadPoolExecutor(int(params.get("max_concurrent_requests", "64")), thread_name_prefix="mm_qa_bls")
         self._metrics()
 
@@ -250,13 +309,10 @@ class TritonPythonModel:
         missing = [key for key, value in found.items() if value is None]
         if missing:
             try:
-                pixels = infer("image_decode", {"images": np.asarray([images[position[k]] for k in missing], np.object_)},
-                               ["pixel_values", "image_sizes"])
-                # Keep ratio 1.0: every token, with its importance and key, so VisionZip can run here.
-                out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32)}, ENCODER_OUTPUTS)
+                computed = self.vision.features([images[position[k]] for k in missing])
             except ModelError as e:
                 raise ModelError(renumber_images(str(e), [position[k] for k in missing])) from None
-            for key, value in zip(missing, split_features({name: t.as_numpy() for name, t in out.items()})):
+            for key, value in zip(missing, computed):
                 self.cache.put(key, value)
                 found[key] = value
         self._publish_metrics()
