@@ -273,3 +273,14 @@ class TritonPythonModel:
     def finalize(self):
         self._stop.set()
         self._thread.join(timeout=10)
+        # Whoever still waits (live or not yet admitted) gets its final response: a request left
+        # open keeps the server's shutdown waiting for it.
+        pending = list(self._live.values())
+        while not self._inbox.empty():
+            pending.append(self._inbox.get_nowait())
+        for p in pending:
+            try:
+                p.sender.send(error_response(pb_utils, "the server is shutting down"), flags=FINAL)
+            except Exception:  # the client is gone already
+                pass
+        self._live.clear()
