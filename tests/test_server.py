@@ -82,8 +82,8 @@ def _blocks(server):
     return m["zipmoe_kv_blocks_free"], m["zipmoe_kv_blocks_total"]
 
 
-def start_long_stream(url, model, tensors):
-    """Opens a gRPC stream, sends one long request and waits for its first 5 responses."""
+def open_stream(url, model, tensors):
+    """A gRPC stream with one request of hand-made tensors; returns (client, queue of (result, error))."""
     client = grpcclient.InferenceServerClient(url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -93,6 +93,12 @@ def start_long_stream(url, model, tensors):
         t.set_data_from_numpy(value)
         inputs.append(t)
     client.async_stream_infer(model, inputs)
+    return client, got
+
+
+def start_long_stream(url, model, tensors):
+    """Opens a stream with one long request and waits for its first 5 responses."""
+    client, got = open_stream(url, model, tensors)
     for _ in range(5):
         result, error = got.get(timeout=60)
         assert error is None
@@ -148,17 +154,9 @@ def test_bad_inputs_get_errors_while_good_request_completes(zipmoe_server):
 
 
 def raw_stream_error(url, model, tensors) -> str:
-    """Sends hand-made tensors over a gRPC stream; returns the error text of the first response."""
-    client = grpcclient.InferenceServerClient(url)
-    got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put(error))
-    inputs = []
-    for name, dtype, value in tensors:
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        inputs.append(t)
-    client.async_stream_infer(model, inputs)
-    error = got.get(timeout=60)
+    """The error text of the first response to hand-made tensors."""
+    client, got = open_stream(url, model, tensors)
+    _, error = got.get(timeout=60)
     client.stop_stream()
     client.close()
     return str(error)

@@ -74,5 +74,26 @@ def strings(pb_utils, request, name: str) -> list[bytes]:
     return [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in arr.reshape(-1)]
 
 
+class Metrics:
+    """Custom metrics of one model, labelled with its name. Keeps every MetricFamily alive: a Metric
+    is only valid while its family lives."""
+
+    def __init__(self, pb_utils, model: str):
+        self._pb = pb_utils
+        self._model = model
+        self._families = []
+
+    def _metric(self, kind, name: str, description: str):
+        family = self._pb.MetricFamily(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family.Metric(labels={"model": self._model})
+
+    def counter(self, name: str, description: str):
+        return self._metric(self._pb.MetricFamily.COUNTER, name, description)
+
+    def gauge(self, name: str, description: str):
+        return self._metric(self._pb.MetricFamily.GAUGE, name, description)
+
+
 def error_response(pb_utils, message: str):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))

@@ -41,7 +41,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..embedding_cache import EmbeddingCache, content_key
 from ..visionzip import ImageFeatures, ImageTokens, compress
-from .io import BadInput, error_response, get_input, model_parameters, scalar, strings
+from .io import BadInput, Metrics, error_response, get_input, model_parameters, scalar, strings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Client inputs handed to moe_decoder unchanged, when the client gave them.
@@ -200,21 +200,14 @@ class TritonPythonModel:
         self._metrics()
 
     def _metrics(self):
-        self._families = []  # a Metric is only valid while its MetricFamily lives
-
-        def metric(kind, name, desc):
-            family = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
-            self._families.append(family)
-            return family.Metric(labels={"model": "mm_qa_bls"})
-
-        counter = pb_utils.MetricFamily.COUNTER
+        self._metric_families = metrics = Metrics(pb_utils, "mm_qa_bls")
         # cache counter -> its metric, published as the growth since the last publication
         self._counters = {
-            "hits": metric(counter, "zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
-            "misses": metric(counter, "zipmoe_bls_cache_misses_total", "Images sent to image_decode + vision_encoder"),
-            "evictions": metric(counter, "zipmoe_bls_cache_evictions_total", "Cached images evicted for space"),
+            "hits": metrics.counter("zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
+            "misses": metrics.counter("zipmoe_bls_cache_misses_total", "Images sent to image_decode + vision_encoder"),
+            "evictions": metrics.counter("zipmoe_bls_cache_evictions_total", "Cached images evicted for space"),
         }
-        self._bytes = metric(pb_utils.MetricFamily.GAUGE, "zipmoe_bls_cache_bytes", "Bytes of vision features cached")
+        self._bytes = metrics.gauge("zipmoe_bls_cache_bytes", "Bytes of vision features cached")
         self._published = {name: 0 for name in [*self._counters, "bytes"]}
         self._metrics_lock = threading.Lock()
 

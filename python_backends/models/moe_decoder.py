@@ -21,8 +21,8 @@ from ..detokenize import TextStream, TokenBytes
 from ..engine.engine import EngineConfig, LLMEngine, RequestError
 from ..engine.multimodal import VisualInputs, splice_images
 from ..engine.sequence import SamplingParams, Sequence
-from .io import (BadInput, device_and_dtype, error_response, get_input, model_parameters, resolve_checkpoint, scalar,
-                 strings)
+from .io import (BadInput, Metrics, device_and_dtype, error_response, get_input, model_parameters, resolve_checkpoint,
+                 scalar, strings)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -75,18 +75,8 @@ class TritonPythonModel:
         self._thread.start()
 
     def _metrics(self):
-        self._families = []  # a Metric is only valid while its MetricFamily lives
-
-        def metric(kind, name, desc):
-            family = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
-            self._families.append(family)
-            return family.Metric(labels={"model": "moe_decoder"})
-
-        def counter(name, desc):
-            return metric(pb_utils.MetricFamily.COUNTER, name, desc)
-
-        def gauge(name, desc):
-            return metric(pb_utils.MetricFamily.GAUGE, name, desc)
+        self._metric_families = Metrics(pb_utils, "moe_decoder")
+        counter, gauge = self._metric_families.counter, self._metric_families.gauge
 
         self.m_requests = counter("zipmoe_requests_completed_total", "Requests that finished generating")
         self.m_ttft = counter("zipmoe_ttft_microseconds_total", "Sum of time to first token (arrival to first token)")
