@@ -30,7 +30,11 @@ class RoutingStats:
 
     def add(self, before: torch.Tensor, after: torch.Tensor) -> None:
         self.layer_steps += 1
-        self.union_before += int(torch.unique(before).numel())
+        union = int(torch.unique(before).numel())
+        self.union_before += union
+        if after is before:  # the policy left the routing alone (topk, small batch): nothing more to count
+            self.union_after += union
+            return
         self.union_after += int(torch.unique(after).numel())
         self.rerouted_slots += int((before != after).sum())
 
