@@ -74,7 +74,7 @@ class VisionEncoder:
         per_image = (grids.prod(-1) // unit).tolist()
         embeds = out.pooler_output.split(per_image)
         deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)  # each [L, N_i, D]
-        c = self._captured
+        c, self._captured = self._captured, {}  # do not keep the batch's q/k alive until the next call
         importance = merged_importance(patch_importance(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
         keys = c["k"].float().mean(1)  # [P, d]: head-averaged keys ...
         keys = keys.reshape(-1, unit, keys.shape[-1]).mean(1)  # ... averaged over each merged token's patches

@@ -28,7 +28,7 @@ class StepInputs:
     is_prefill: bool
     seq_lens: list[int]  # prefill: tokens per sequence (segments of the packed axis)
     gather_slots: torch.Tensor | None = None  # decode: [B, max_ctx] cache slots of each context
-    context_lens: torch.Tensor | None = None  # decode: [B]
+    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_ctx], True where a context position exists
     opt_out: torch.Tensor | None = None  # decode: [B] bool, tokens that keep their top-K
     visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
     visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
@@ -145,11 +145,9 @@ class Qwen3VLMoeTextDecoder:
         else:
             keys = kv.k[layer.idx][step.gather_slots]  # [B, L, kvh, d]
             vals = kv.v[layer.idx][step.gather_slots]
-            L = keys.shape[1]
-            mask = torch.arange(L, device=x.device)[None, :] < step.context_lens[:, None]  # [B, L]
             o = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True)  # [B, heads, 1, d]
+                attn_mask=step.attn_mask, scale=self.scale, enable_gqa=True)  # [B, heads, 1, d]
             out = o[:, :, 0, :]
         return F.linear(out.reshape(T, -1), layer.o)
 

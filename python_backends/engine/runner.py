@@ -57,21 +57,20 @@ class ModelRunner:
         return torch.cat([prompt, generated.expand(3, -1)], dim=1)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
-        ids, pos, slots, ctx = [], [], [], []
-        max_len = max(len(s) for s in seqs)
-        gather = []
-        for seq in seqs:
-            n = len(seq)
-            ids.append(seq.all_ids[-1])
-            pos.append(n - 1 + seq.rope_delta)
-            ctx_slots = self.blocks.slots(seq, 0, n)
-            slots.append(ctx_slots[-1])
-            gather.append(ctx_slots + [0] * (max_len - n))
-            ctx.append(n)
-        step = StepInputs(positions=self._tensor(pos).expand(3, -1), slots=self._tensor(slots), is_prefill=False,
-                          seq_lens=[1] * len(seqs), gather_slots=self._tensor(gather), context_lens=self._tensor(ctx),
-                          opt_out=self._tensor([s.opt_out for s in seqs], torch.bool))
-        return self._tensor(ids), step, torch.arange(len(seqs), device=self.device)
+        bs = self.blocks.block_size
+        lens = [len(s) for s in seqs]
+        max_len, max_blocks = max(lens), max(len(s.block_table) for s in seqs)
+        # Each context's cache slots, expanded on the device from the padded block tables (O(blocks) host work).
+        tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+        gather = (tables[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)[:, :max_len]
+        ctx = self._tensor(lens)
+        step = StepInputs(
+            positions=self._tensor([n - 1 + s.rope_delta for s, n in zip(seqs, lens)]).expand(3, -1),
+            slots=gather.gather(1, (ctx - 1)[:, None])[:, 0],  # where the newest token's K/V goes
+            is_prefill=False, seq_lens=[1] * len(seqs), gather_slots=gather,
+            attn_mask=(torch.arange(max_len, device=self.device)[None, :] < ctx[:, None])[:, None, None, :],
+            opt_out=self._tensor([s.opt_out for s in seqs], torch.bool))
+        return self._tensor([s.last_token for s in seqs]), step, torch.arange(len(seqs), device=self.device)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         ids, step, rows = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)

@@ -6,6 +6,7 @@ rest of the package (and the unit tests) never need it.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,28 @@ def strings(pb_utils, request, name: str) -> list[bytes]:
     return [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in arr.reshape(-1)]
 
 
+class SyncedMetric:
+    """A Triton metric fed from a value the model keeps itself: `sync(value)` sends only a change
+    (each increment or set is a round trip to the server); counters get the growth, gauges the value."""
+
+    def __init__(self, metric, counter: bool):
+        self.metric, self.counter, self.sent = metric, counter, 0
+        self._lock = threading.Lock()  # two threads must not send the same growth twice
+
+    def increment(self, value) -> None:
+        self.metric.increment(value)
+
+    def sync(self, value) -> None:
+        with self._lock:
+            if value == self.sent:
+                return
+            if self.counter:
+                self.metric.increment(value - self.sent)
+            else:
+                self.metric.set(value)
+            self.sent = value
+
+
 class Metrics:
     """Custom metrics of one model, labelled with its name. Keeps every MetricFamily alive: a Metric
     is only valid while its family lives."""
@@ -83,15 +106,15 @@ class Metrics:
         self._model = model
         self._families = []
 
-    def _metric(self, kind, name: str, description: str):
+    def _metric(self, kind, name: str, description: str) -> SyncedMetric:
         family = self._pb.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
-        return family.Metric(labels={"model": self._model})
+        return SyncedMetric(family.Metric(labels={"model": self._model}), kind == self._pb.MetricFamily.COUNTER)
 
-    def counter(self, name: str, description: str):
+    def counter(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.COUNTER, name, description)
 
-    def gauge(self, name: str, description: str):
+    def gauge(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.GAUGE, name, description)
 
 

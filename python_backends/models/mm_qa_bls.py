@@ -196,34 +196,23 @@ class TritonPythonModel:
         self.min_per_image = int(params.get("min_tokens_per_image", "4"))
         self.cache = EmbeddingCache(int(params.get("cache_bytes", "268435456")))
         self.vision = VisionBatcher(self.max_images)
+        self._queued: dict[Future, Job] = {}  # submitted and not yet finished
         self.pool = ThreadPoolExecutor(int(params.get("max_concurrent_requests", "64")), thread_name_prefix="mm_qa_bls")
         self._metrics()
 
     def _metrics(self):
         self._metric_families = metrics = Metrics(pb_utils, "mm_qa_bls")
-        # cache counter -> its metric, published as the growth since the last publication
+        # cache attribute -> its metric
         self._counters = {
             "hits": metrics.counter("zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
             "misses": metrics.counter("zipmoe_bls_cache_misses_total", "Images sent to image_decode + vision_encoder"),
             "evictions": metrics.counter("zipmoe_bls_cache_evictions_total", "Cached images evicted for space"),
+            "bytes": metrics.gauge("zipmoe_bls_cache_bytes", "Bytes of vision features cached"),
         }
-        self._bytes = metrics.gauge("zipmoe_bls_cache_bytes", "Bytes of vision features cached")
-        self._published = {name: 0 for name in [*self._counters, "bytes"]}
-        self._metrics_lock = threading.Lock()
 
     def _publish_metrics(self):
-        # Each increment/set is a round trip to the server, so only changes are sent; the lock keeps
-        # two workers from publishing the same growth twice.
-        with self._metrics_lock:
-            for name, value in self._published.items():
-                now = getattr(self.cache, name)
-                if now == value:
-                    continue
-                if name == "bytes":
-                    self._bytes.set(now)
-                else:
-                    self._counters[name].increment(now - value)
-                self._published[name] = now
+        for name, metric in self._counters.items():
+            metric.sync(getattr(self.cache, name))
 
     def execute(self, requests):
         for request in requests:
@@ -233,7 +222,9 @@ class TritonPythonModel:
             except (BadInput, UnicodeDecodeError) as e:
                 sender.send(error_response(pb_utils, f"mm_qa_bls: {e}"), flags=FINAL)
                 continue
-            self.pool.submit(self._serve, job)
+            future = self.pool.submit(self._serve, job)
+            self._queued[future] = job
+            future.add_done_callback(lambda f: self._queued.pop(f, None) if not f.cancelled() else None)
         return None
 
     def _parse(self, request, sender) -> Job:
@@ -313,3 +304,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.pool.shutdown(wait=True, cancel_futures=True)
+        # Requests still queued were cancelled above: each still needs its final response, or the
+        # server's shutdown waits for it.
+        for future, job in list(self._queued.items()):
+            if future.cancelled():
+                job.sender.send(error_response(pb_utils, "the server is shutting down"), flags=FINAL)

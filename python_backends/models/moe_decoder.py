@@ -25,6 +25,7 @@ from .io import (BadInput, Metrics, device_and_dtype, error_response, get_input,
                  scalar, strings)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS_PERIOD_S = 0.1
 
 
 @dataclass(eq=False)
@@ -91,8 +92,7 @@ class TritonPythonModel:
             "running": gauge("zipmoe_running_requests", "Sequences in the decode batch"),
             "waiting": gauge("zipmoe_waiting_requests", "Sequences waiting for admission"),
         }
-        self._gauge_values: dict[str, int] = {}
-        self._preemptions = 0
+        self._metrics_sent_at = 0.0
         # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
         self.m_routing = {
             "layer_steps": counter("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
@@ -100,26 +100,22 @@ class TritonPythonModel:
             "union_after": counter("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
             "rerouted_slots": counter("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
         }
-        self._routing_sent = dict.fromkeys(self.m_routing, 0)
 
     def _update_gauges(self):
-        """Sets the engine gauges when they change (each set is a round trip to the server)."""
+        """Engine state to the metrics endpoint, at most every METRICS_PERIOD_S (each change sent is a
+        round trip to the server, and the routing counters change every decode step)."""
+        now = time.monotonic()
+        if now - self._metrics_sent_at < METRICS_PERIOD_S and self.engine.has_work:
+            return
+        self._metrics_sent_at = now
         sched = self.engine.scheduler
         values = {"free": self.engine.blocks.num_free, "total": self.engine.blocks.num_blocks,
                   "running": len(sched.running), "waiting": len(sched.waiting)}
         for k, v in values.items():
-            if self._gauge_values.get(k) != v:
-                self.m_gauges[k].set(v)
-                self._gauge_values[k] = v
-        stats = self.engine.model.routing_stats
+            self.m_gauges[k].sync(v)
         for k, metric in self.m_routing.items():
-            value = getattr(stats, k)
-            if value != self._routing_sent[k]:
-                metric.increment(value - self._routing_sent[k])
-                self._routing_sent[k] = value
-        if sched.num_preemptions != self._preemptions:
-            self.m_preemptions.increment(sched.num_preemptions - self._preemptions)
-            self._preemptions = sched.num_preemptions
+            metric.sync(getattr(self.engine.model.routing_stats, k))
+        self.m_preemptions.sync(sched.num_preemptions)
 
     def execute(self, requests):
         for request in requests:
@@ -157,18 +153,27 @@ class TritonPythonModel:
         kept = np.zeros(0, np.int32) if kept is None else kept.reshape(-1).astype(np.int32)
         if kept.size == 0:
             return ids, None, kept
-        width = self.engine.text.hidden_size
-        embeds = torch.from_numpy(get_input(pb_utils, request, "visual_embeds").reshape(-1, width))
-        deepstack = get_input(pb_utils, request, "deepstack_embeds")
-        positions = torch.from_numpy(get_input(pb_utils, request, "visual_positions").reshape(-1, 2))
-        grids = [tuple(g) for g in get_input(pb_utils, request, "image_grids").reshape(-1, 2).tolist()]
+        width, total = self.engine.text.hidden_size, int(kept.sum())
+        arrays = {name: get_input(pb_utils, request, name)
+                  for name in ("visual_embeds", "deepstack_embeds", "visual_positions", "image_grids")}
+        # Everything must describe the same kept tokens: a request that does not is refused here, not
+        # in the middle of a batched step (where it would fail the other requests).
+        shapes = {"visual_embeds": (total, width), "visual_positions": (total, 2), "image_grids": (kept.size, 2)}
+        for name, shape in shapes.items():
+            if arrays[name] is None or arrays[name].shape != shape:
+                got = None if arrays[name] is None else list(arrays[name].shape)
+                raise BadInput(f"{name} must have shape {list(shape)} for visual_tokens_kept {kept.tolist()}, got {got}")
+        deepstack = arrays["deepstack_embeds"]
+        if deepstack is None or deepstack.ndim != 3 or deepstack.shape[1:] != (total, width):
+            raise BadInput(f"deepstack_embeds must have shape [layers, {total}, {width}]")
+        grids = [tuple(g) for g in arrays["image_grids"].tolist()]
         try:
-            ids, pos, delta = splice_images(ids, self.engine.text.image_token_id, kept.tolist(), positions, grids)
+            ids, pos, delta = splice_images(ids, self.engine.text.image_token_id, kept.tolist(),
+                                            torch.from_numpy(arrays["visual_positions"]), grids)
         except ValueError as e:
             raise BadInput(str(e)) from None
-        deep = None if deepstack is None or deepstack.size == 0 else torch.from_numpy(
-            deepstack.reshape(-1, embeds.shape[0], width))
-        return ids, VisualInputs(embeds, deep, pos, delta), kept
+        visual = VisualInputs(torch.from_numpy(arrays["visual_embeds"]), torch.from_numpy(deepstack), pos, delta)
+        return ids, visual, kept
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -200,7 +205,7 @@ class TritonPythonModel:
             p = item
             try:
                 p.seq = self.engine.add_request(p.prompt_ids, p.params, opt_out=p.opt_out, visual=p.visual)
-            except RequestError as e:  # checked in execute() already; never let one request fail the others
+            except Exception as e:  # checked in execute() already; never let one request fail the others
                 p.sender.send(error_response(pb_utils, str(e)), flags=FINAL)
             else:
                 p.seq.arrival = p.arrival  # time to first token counts from execute()
