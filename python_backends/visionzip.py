@@ -20,6 +20,7 @@ import math
 from itertools import accumulate
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -190,3 +191,20 @@ def compress(images: list[ImageFeatures], keep_ratio: float, context_fraction: f
     embeds = apply_selection(torch.cat([f.embeds for f in images]), combined).split(kept)
     deepstack = apply_selection(torch.cat([f.deepstack for f in images], dim=1), combined).split(kept, dim=1)
     return [ImageTokens(e, d, p, f.grid) for e, d, p, f in zip(embeds, deepstack, positions, images)]
+
+
+def decoder_inputs(tokens: list[ImageTokens], width: int = 0, layers: int = 0) -> dict[str, np.ndarray]:
+    """moe_decoder's visual inputs (host arrays) for one request's kept tokens. Without images they are
+    empty tensors of the right rank, shaped by width (hidden size) and layers (deepstack)."""
+    if not tokens:
+        return {"visual_embeds": np.zeros((0, width), np.float32),
+                "deepstack_embeds": np.zeros((layers, 0, width), np.float32),
+                "visual_positions": np.zeros((0, 2), np.int32), "image_grids": np.zeros((0, 2), np.int32),
+                "visual_tokens_kept": np.zeros(0, np.int32)}
+    return {
+        "visual_embeds": torch.cat([t.embeds for t in tokens]).float().cpu().numpy(),
+        "deepstack_embeds": torch.cat([t.deepstack for t in tokens], dim=1).float().cpu().numpy(),
+        "visual_positions": torch.cat([t.positions for t in tokens]).int().cpu().numpy(),
+        "image_grids": np.asarray([t.grid for t in tokens], np.int32),
+        "visual_tokens_kept": np.asarray([t.embeds.shape[0] for t in tokens], np.int32),
+    }

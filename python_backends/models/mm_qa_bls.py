@@ -40,7 +40,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..embedding_cache import EmbeddingCache, content_key
-from ..visionzip import ImageFeatures, ImageTokens, compress
+from ..visionzip import ImageFeatures, compress, decoder_inputs
 from .io import BadInput, Metrics, error_response, get_input, model_parameters, scalar, strings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -176,17 +176,6 @@ class VisionBatcher:
             start += len(images)
 
 
-def visual_inputs(tokens: list[ImageTokens]) -> dict[str, np.ndarray]:
-    """moe_decoder's visual inputs, as the ensemble maps them from vision_encoder."""
-    return {
-        "visual_embeds": torch.cat([t.embeds for t in tokens]).float().numpy(),
-        "deepstack_embeds": torch.cat([t.deepstack for t in tokens], dim=1).float().numpy(),
-        "visual_positions": torch.cat([t.positions for t in tokens]).int().numpy(),
-        "image_grids": np.asarray([t.grid for t in tokens], np.int32).reshape(-1, 2),
-        "visual_tokens_kept": np.asarray([t.embeds.shape[0] for t in tokens], np.int32),
-    }
-
-
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
@@ -267,7 +256,7 @@ class TritonPythonModel:
         decoder_in = {**infer("preprocess", text_in, ["input_ids"]), **job.decoder_inputs}
         if job.images:
             tokens = compress(self._features(job.images), job.keep_ratio, self.context_fraction, self.min_per_image)
-            decoder_in.update(visual_inputs(tokens))
+            decoder_in.update(decoder_inputs(tokens))
         if job.sender.is_cancelled():
             return
         outputs = ["output_ids", "text_range", *RELAYED]

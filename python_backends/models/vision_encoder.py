@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..engine.engine import DTYPES
 from ..vision import VisionEncoder
-from ..visionzip import ImageFeatures, ImageTokens, compress
+from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
 from .io import BadInput, device_and_dtype, error_response, model_parameters, resolve_checkpoint, scalar
 
 
@@ -74,27 +74,11 @@ class TritonPythonModel:
 
     def _response(self, tokens: list[ImageTokens], features: list[ImageFeatures] | None):
         """features: also send every token's importance and key (what mm_qa_bls caches per image)."""
-        enc = self.encoder
-        width = enc.model.config.out_hidden_size
-        layers = len(enc.model.config.deepstack_visual_indexes)
-        if tokens:
-            embeds = torch.cat([t.embeds for t in tokens]).float().cpu().numpy()
-            deepstack = torch.cat([t.deepstack for t in tokens], dim=1).float().cpu().numpy()
-            positions = torch.cat([t.positions for t in tokens]).int().cpu().numpy()
-        else:  # zero images is a valid request: empty tensors of the right rank
-            embeds = np.zeros((0, width), np.float32)
-            deepstack = np.zeros((layers, 0, width), np.float32)
-            positions = np.zeros((0, 2), np.int32)
-        extra = []
+        config = self.encoder.model.config
+        arrays = decoder_inputs(tokens, config.out_hidden_size, len(config.deepstack_visual_indexes))
         if features is not None:
-            keys = torch.cat([f.keys for f in features]) if features else torch.zeros(0, 1)
-            extra = [pb_utils.Tensor("token_importance", torch.cat([f.importance for f in features]).float().numpy()
-                                     if features else np.zeros(0, np.float32)),
-                     pb_utils.Tensor("token_keys", keys.float().numpy())]
-        return pb_utils.InferenceResponse(extra + [
-            pb_utils.Tensor("visual_embeds", embeds),
-            pb_utils.Tensor("deepstack_embeds", deepstack),
-            pb_utils.Tensor("visual_positions", positions),
-            pb_utils.Tensor("image_grids", np.asarray([t.grid for t in tokens], np.int32).reshape(-1, 2)),
-            pb_utils.Tensor("visual_tokens_kept", np.asarray([t.embeds.shape[0] for t in tokens], np.int32)),
-        ])
+            arrays["token_importance"] = (torch.cat([f.importance for f in features]).float().numpy()
+                                          if features else np.zeros(0, np.float32))
+            arrays["token_keys"] = (torch.cat([f.keys for f in features]).float().numpy()
+                                    if features else np.zeros((0, 1), np.float32))
+        return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in arrays.items()])
