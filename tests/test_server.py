@@ -114,8 +114,11 @@ def test_cancelled_stream_frees_its_blocks(zipmoe_server, tiny_checkpoint):
     ids = np.array(AutoTokenizer.from_pretrained(tiny_checkpoint).encode("tell me everything"), dtype=np.int32)
     before = scrape_metrics(zipmoe_server.url_metrics)
     client = start_long_stream(zipmoe_server.url_grpc, "moe_decoder", [("input_ids", "INT32", ids)] + LONG)
-    free, total = _blocks(zipmoe_server)
-    assert free < total  # the request holds blocks while it decodes
+    deadline = time.time() + 10  # the gauges are published at most every 100 ms while the engine works
+    while (blocks := _blocks(zipmoe_server))[0] == blocks[1]:
+        assert time.time() < deadline, "the decoding request holds no KV blocks"
+        time.sleep(0.05)
+    total = blocks[1]
     client.stop_stream(cancel_requests=True)
     client.close()
     deadline = time.time() + 30

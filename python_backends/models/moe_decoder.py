@@ -101,11 +101,11 @@ class TritonPythonModel:
             "rerouted_slots": counter("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
         }
 
-    def _update_gauges(self):
-        """Engine state to the metrics endpoint, at most every METRICS_PERIOD_S (each change sent is a
-        round trip to the server, and the routing counters change every decode step)."""
+    def _update_gauges(self, force: bool = False):
+        """Engine state to the metrics endpoint, at most every METRICS_PERIOD_S while the engine works
+        (each change sent is a round trip to the server; the routing counters change every step)."""
         now = time.monotonic()
-        if now - self._metrics_sent_at < METRICS_PERIOD_S and self.engine.has_work:
+        if not force and self.engine.has_work and now - self._metrics_sent_at < METRICS_PERIOD_S:
             return
         self._metrics_sent_at = now
         sched = self.engine.scheduler
@@ -189,12 +189,14 @@ class TritonPythonModel:
     def _iterate(self):
         self._admit(block=not self.engine.has_work)
         self._drop_cancelled()
-        if self.engine.has_work:
-            for seq, token in self.engine.step():
-                pending = self._live.get(seq.seq_id)
-                if pending is not None:
-                    self._respond(pending, token)
-        self._update_gauges()
+        results = self.engine.step() if self.engine.has_work else []
+        # Publish before answering when a request ends: a client that has its last response then
+        # finds its work in the metrics.
+        self._update_gauges(force=any(seq.finished for seq, _ in results))
+        for seq, token in results:
+            pending = self._live.get(seq.seq_id)
+            if pending is not None:
+                self._respond(pending, token)
 
     def _admit(self, block: bool):
         try:
