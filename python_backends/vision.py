@@ -2,7 +2,8 @@
 
 The tower is not the hot loop, so it stays transformers' `Qwen3VLMoeVisionModel`. A hook on the
 attention of layer ℓ recomputes that layer's q and k, from which `visionzip.patch_importance`
-gets how much attention each patch receives; the merged tokens then compete for one budget.
+gets how much attention each patch receives (on CUDA through the Triton kernel of the same
+signature); the merged tokens then compete for one budget.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 from .checkpoint import TensorStore
+from .kernels.attention_importance import patch_importance_triton
 from .visionzip import ImageFeatures, merged_importance, patch_importance
 
 VISUAL_PREFIX = "model.visual."
@@ -75,7 +77,8 @@ class VisionEncoder:
         embeds = out.pooler_output.split(per_image)
         deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)  # each [L, N_i, D]
         c, self._captured = self._captured, {}  # do not keep the batch's q/k alive until the next call
-        importance = merged_importance(patch_importance(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
+        importance_fn = patch_importance_triton if c["q"].is_cuda else patch_importance  # never an N_i x N_i matrix
+        importance = merged_importance(importance_fn(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
         keys = c["k"].float().mean(1)  # [P, d]: head-averaged keys ...
         keys = keys.reshape(-1, unit, keys.shape[-1]).mean(1)  # ... averaged over each merged token's patches
         # Token selection is small and branchy: it runs on the host, one copy of [N] + [N, d] values.

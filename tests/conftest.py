@@ -1,10 +1,15 @@
 """Shared fixtures: the tiny checkpoint, a real tritonserver on loopback, and the gpu marker."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Before anything imports triton (transformers does): kernels run in Triton's interpreter on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from zipmoe import serve
 from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint

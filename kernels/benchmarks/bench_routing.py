@@ -42,7 +42,7 @@ def variants(sim: torch.Tensor, protect: torch.Tensor, rows: dict[int, int]) -> 
 
 
 def measure(engine: LLMEngine, prompts: list[list[int]], policy: RoutingPolicy, batch: int, steps: int) -> dict:
-    engine.model.policy = policy
+    engine.set_routing_policy(policy)
     engine.model.routing_stats = stats = RoutingStats()
     for i in range(batch):
         engine.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
@@ -80,19 +80,22 @@ def synthetic_30b(device: torch.device, steps: int, seed: int = 0, layers: int =
             stats = RoutingStats()
             inputs = torch.Generator(device=device).manual_seed(batch)  # every policy sees the same tokens
             for _ in range(steps):
+                routed = []
                 for layer in range(layers):
                     noise = torch.randn(batch, hidden, generator=inputs, device=device)
                     x = (directions[layer] + noise).to(torch.bfloat16)
                     probs, ids, w = route_topk(x, gates[layer], top_k, True)
-                    stats.add(ids, policy.route(layer, probs, ids, w, None)[0])
+                    routed.append((ids, policy.route(layer, probs, ids, w, None)[0]))
+                stats.add_step(routed, batch, experts)
             rows.append({"policy": name, "batch": batch, **fields, **summary(stats)})
             report(name, batch, rows[-1])
     return rows
 
 
 def summary(stats: RoutingStats) -> dict:
-    return {"union_topk": stats.union_before / stats.layer_steps, "union": stats.union_after / stats.layer_steps,
-            "rerouted_slots_per_layer_step": stats.rerouted_slots / stats.layer_steps}
+    s = stats.snapshot()
+    return {"union_topk": s["union_before"] / s["layer_steps"], "union": s["union_after"] / s["layer_steps"],
+            "rerouted_slots_per_layer_step": s["rerouted_slots"] / s["layer_steps"]}
 
 
 def report(name: str, batch: int, r: dict) -> None:

@@ -37,6 +37,7 @@ class EngineConfig:
     sere_protect: bool = True
     oea_k0: int = 2
     routing_min_batch: int = 1  # decode batches smaller than this keep plain top-K
+    cuda_graphs: bool = True  # on CUDA, replay the decode step from per-batch-size CUDA graphs
 
     def validate(self, text: TextConfig) -> None:
         if self.dtype not in DTYPES:
@@ -56,22 +57,25 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, checkpoint: str | Path, config: EngineConfig):
+    def __init__(self, checkpoint: str | Path | None, config: EngineConfig, *, text: TextConfig | None = None,
+                 store=None, policy=None):
+        """Reads the checkpoint; benchmarks may pass the text config, a tensor store and a policy instead."""
         self.config = config
-        self.text = TextConfig.from_dir(checkpoint)
+        self.text = text or TextConfig.from_dir(checkpoint)
         config.validate(self.text)
         device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
-        store = TensorStore(checkpoint)
-        policy = make_policy(config.routing_policy, self.text.top_k, checkpoint, device,
-                             sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
-                             sere_protect=config.sere_protect, oea_k0=config.oea_k0,
-                             normalize=self.text.norm_topk_prob)
+        store = store or TensorStore(checkpoint)
+        policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, device,
+                                       sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
+                                       sere_protect=config.sere_protect, oea_k0=config.oea_k0,
+                                       normalize=self.text.norm_topk_prob)
         self.model = Qwen3VLMoeTextDecoder(self.text, store, dtype, device, policy, config.routing_min_batch)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, config.num_kv_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, dtype, device)
-        self.runner = ModelRunner(self.model, kv, self.blocks)
+        self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
+                                  config.cuda_graphs)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()
@@ -111,6 +115,11 @@ class LLMEngine:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+
+    def set_routing_policy(self, policy) -> None:
+        """Swaps the decode routing policy (benchmarks, tests); re-captures the CUDA graphs, which hold it."""
+        self.model.policy = policy
+        self.runner.capture_graphs()
 
     @property
     def has_work(self) -> bool:

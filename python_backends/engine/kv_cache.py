@@ -62,7 +62,10 @@ class BlockManager:
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        # One block past the last: CUDA-graph padding rows write their K/V there, no sequence reads it.
+        self.scratch_slot = num_blocks * block_size
+        shape = (num_layers, (num_blocks + 1) * block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

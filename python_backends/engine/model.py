@@ -8,6 +8,7 @@ Hugging Face checkpoint by name (`model.language_model.*`, `lm_head.weight`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -15,9 +16,22 @@ import torch.nn.functional as F
 
 from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .kv_cache import KVCache
-from .moe import experts_reference, route_topk
+from ..kernels import layer_ops
+from ..kernels.fused_moe import fused_experts
+from ..kernels.layer_ops import rms_norm
+from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from .moe import experts_reference
 from .routing import RoutingPolicy, RoutingStats
-from .rope import MRope, apply_rope
+from .rope import MRope
+
+# The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
+KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm_fused, add_rms_norm=layer_ops.add_rms_norm,
+                          qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, topk_softmax=layer_ops.topk_softmax,
+                          experts=fused_experts, decode_attention=paged_decode_attention)
+REFERENCE = SimpleNamespace(rms_norm=rms_norm, add_rms_norm=layer_ops.add_rms_norm_reference,
+                            qk_norm_rope_cache=layer_ops.qk_norm_rope_cache_reference,
+                            topk_softmax=layer_ops.topk_softmax_reference, experts=experts_reference,
+                            decode_attention=paged_decode_attention_reference)
 
 
 @dataclass
@@ -27,20 +41,12 @@ class StepInputs:
     slots: torch.Tensor  # [T] cache slot each token's K/V is written to
     is_prefill: bool
     seq_lens: list[int]  # prefill: tokens per sequence (segments of the packed axis)
-    gather_slots: torch.Tensor | None = None  # decode: [B, max_ctx] cache slots of each context
-    attn_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_ctx], True where a context position exists
+    block_tables: torch.Tensor | None = None  # decode: int32 [B, max_blocks] (padded with any block id)
+    context_lens: torch.Tensor | None = None  # decode: int32 [B]
     opt_out: torch.Tensor | None = None  # decode: [B] bool, tokens that keep their top-K
     visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
     visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
     deepstack: torch.Tensor | None = None  # [layers, V, hidden] added to those rows after the first layers
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same arithmetic as transformers: normalise in float32, scale in the input dtype.
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
 
 
 class Layer:
@@ -53,9 +59,9 @@ class Layer:
         self.idx = idx
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
-        self.q = w("self_attn.q_proj.weight")
-        self.k = w("self_attn.k_proj.weight")
-        self.v = w("self_attn.v_proj.weight")
+        # q, k and v projections as one matrix: one GEMM (one launch) per layer instead of three.
+        self.qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                              w("self_attn.v_proj.weight")])
         self.o = w("self_attn.o_proj.weight")
         self.q_norm = w("self_attn.q_norm.weight")
         self.k_norm = w("self_attn.k_norm.weight")
@@ -92,6 +98,11 @@ class Qwen3VLMoeTextDecoder:
         self.policy = policy
         self.routing_min_batch = routing_min_batch  # smaller decode batches keep plain top-K
         self.routing_stats = RoutingStats()
+        # (router's ids, ids computed) of each MoE layer in the last decode forward; a captured CUDA
+        # graph keeps the list of its capture, whose tensors every replay rewrites.
+        self.last_routing: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.on_cuda = device.type == "cuda"
+        self.ops = KERNELS if self.on_cuda else REFERENCE
         self.embed = store.get(TEXT_PREFIX + "embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = store.get(TEXT_PREFIX + "norm.weight").to(device=device, dtype=dtype)
         if cfg.tie_word_embeddings or "lm_head.weight" not in store:
@@ -108,60 +119,67 @@ class Qwen3VLMoeTextDecoder:
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv: KVCache,
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows."""
+        if not step.is_prefill:
+            self.last_routing = []
+        ops, eps = self.ops, self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         rows = step.visual_rows
         if rows is not None:
             h[rows] = step.visual_embeds.to(self.dtype)
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)
-        for layer in self.layers:
-            h = h + self._attention(layer, rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps), cos, sin, step, kv)
-            x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
-            h = h + (self._moe(layer, x, step) if layer.is_moe else self._mlp(layer, x))
-            if step.deepstack is not None and layer.idx < step.deepstack.shape[0]:
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for layer, nxt in zip(self.layers, self.layers[1:] + [None]):
+            h, x = ops.add_rms_norm(h, self._attention(layer, x, cos, sin, step, kv), layer.post_norm, eps)
+            out = self._moe(layer, x, step) if layer.is_moe else self._mlp(layer, x)
+            inject = step.deepstack is not None and layer.idx < step.deepstack.shape[0]
+            if nxt is not None and not inject:
+                # The residual add and the next layer's input norm in one pass.
+                h, x = ops.add_rms_norm(h, out, nxt.input_norm, eps)
+                continue
+            h = h + out
+            if inject:
                 h[rows] = h[rows] + step.deepstack[layer.idx].to(self.dtype)  # DeepStack injection
-        h = rms_norm(h[logit_rows], self.norm, self.cfg.rms_norm_eps)
+            if nxt is not None:
+                x = ops.rms_norm(h, nxt.input_norm, eps)
+        h = ops.rms_norm(h[logit_rows], self.norm, eps)
         return F.linear(h, self.lm_head).float()
 
     def _attention(self, layer: Layer, x, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
-        q = rms_norm(F.linear(x, layer.q).view(T, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(F.linear(x, layer.k).view(T, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
-        v = F.linear(x, layer.v).view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.k[layer.idx, step.slots] = k
-        kv.v[layer.idx, step.slots] = v
+        # Normed, rotated q; k and v go straight into the cache.
+        q = self.ops.qk_norm_rope_cache(F.linear(x, layer.qkv), layer.q_norm, layer.k_norm, cos, sin,
+                                        kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
+                                        cfg.num_heads, cfg.num_kv_heads)
         if step.is_prefill:
+            k_all, v_all = kv.k[layer.idx][step.slots], kv.v[layer.idx][step.slots]
             out = torch.empty_like(q)
             start = 0
             for n in step.seq_lens:
                 seg = slice(start, start + n)
                 # [1, heads, n, d]; the segment is the whole sequence, so plain causal attention.
                 o = F.scaled_dot_product_attention(
-                    q[seg].transpose(0, 1)[None], k[seg].transpose(0, 1)[None], v[seg].transpose(0, 1)[None],
+                    q[seg].transpose(0, 1)[None], k_all[seg].transpose(0, 1)[None], v_all[seg].transpose(0, 1)[None],
                     is_causal=True, scale=self.scale, enable_gqa=True)
                 out[seg] = o[0].transpose(0, 1)
                 start += n
         else:
-            keys = kv.k[layer.idx][step.gather_slots]  # [B, L, kvh, d]
-            vals = kv.v[layer.idx][step.gather_slots]
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=step.attn_mask, scale=self.scale, enable_gqa=True)  # [B, heads, 1, d]
-            out = o[:, :, 0, :]
+            out = self.ops.decode_attention(q, kv.k[layer.idx], kv.v[layer.idx], step.block_tables,
+                                            step.context_lens, kv.block_size, self.scale)
         return F.linear(out.reshape(T, -1), layer.o)
 
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
-        probs, ids, weights = route_topk(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+        probs, ids, weights = self.ops.topk_softmax(F.linear(x, layer.gate), self.cfg.top_k,
+                                                    self.cfg.norm_topk_prob, x.dtype)
         if not step.is_prefill:
             routed, weights = ids, weights
             if x.shape[0] >= self.routing_min_batch:
                 routed, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
-            self.routing_stats.add(ids, routed)
+            self.last_routing.append((ids, routed))
             ids = routed
-        return experts_reference(x, ids, weights, layer.gate_up, layer.down)
+        return self.ops.experts(x, ids, weights, layer.gate_up, layer.down)
 
     @staticmethod
     def _mlp(layer: Layer, x: torch.Tensor) -> torch.Tensor:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.layer_ops import topk_softmax_reference
+
 
 def route_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int,
                normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router: softmax in float32 -> (probs [T, E], top-K ids sorted by score, weights renormalised when asked)."""
-    logits = F.linear(x, gate)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return probs, ids, weights.to(x.dtype)
+    return topk_softmax_reference(F.linear(x, gate), top_k, normalize, x.dtype)
 
 
 def experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -15,28 +15,49 @@ Tokens of requests that opted out keep their top-K (they still contribute primar
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..kernels.sere_reroute import sere_reroute, sere_reroute_reference
 
-@dataclass
+
 class RoutingStats:
-    """Sums over decode layer-steps; their ratios are the mean union before/after re-routing."""
-    layer_steps: int = 0
-    union_before: int = 0
-    union_after: int = 0
-    rerouted_slots: int = 0
+    """Sums over decode layer-steps; their ratios are the mean union before/after re-routing.
 
-    def add(self, before: torch.Tensor, after: torch.Tensor) -> None:
-        self.layer_steps += 1
-        union = int(torch.unique(before).numel())
-        self.union_before += union
-        if after is before:  # the policy left the routing alone (topk, small batch): nothing more to count
-            self.union_after += union
+    Accumulated on the routing's device with a few ops per step (not per layer), so counting never
+    waits for the GPU; `snapshot()` reads them back (one sync) when they are published.
+    """
+    FIELDS = ("layer_steps", "union_before", "union_after", "rerouted_slots")
+
+    def __init__(self):
+        self._sums: torch.Tensor | None = None
+
+    def add_step(self, routed: list[tuple[torch.Tensor, torch.Tensor]], rows: int, num_experts: int) -> None:
+        """routed: (router's ids, ids computed) [T, K] of each MoE layer in one decode step; only the
+        first `rows` rows count (CUDA-graph batches are padded with copies of a real row)."""
+        if not routed:
             return
-        self.union_after += int(torch.unique(after).numel())
-        self.rerouted_slots += int((before != after).sum())
+        before = torch.stack([b for b, _ in routed])[:, :rows]
+        union_before = _union_sizes(before, num_experts)
+        if all(a is b for b, a in routed):  # the policy left every layer alone: nothing more to count
+            union_after, moved = union_before, torch.zeros_like(union_before)
+        else:
+            after = torch.stack([a for _, a in routed])[:, :rows]
+            union_after, moved = _union_sizes(after, num_experts), (before != after).sum()
+        step = torch.stack([torch.full_like(union_before, len(routed)), union_before, union_after, moved])
+        if self._sums is None:
+            self._sums = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=step.device)
+        self._sums += step
+
+    def snapshot(self) -> dict[str, int]:
+        values = [0] * len(self.FIELDS) if self._sums is None else self._sums.tolist()
+        return dict(zip(self.FIELDS, values))
+
+
+def _union_sizes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids [L, T, K] -> distinct experts summed over the L layers (a device scalar)."""
+    L = ids.shape[0]
+    seen = torch.zeros(L, num_experts, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, ids.reshape(L, -1), True).sum()
 
 
 class RoutingPolicy:
@@ -60,23 +81,12 @@ class SerePolicy(RoutingPolicy):
         self.threshold = threshold
 
     def route(self, layer, probs, ids, weights, opt_out):
-        k1 = self.primary_k
-        if k1 >= ids.shape[1]:
+        if self.primary_k >= ids.shape[1]:
             return ids, weights
         row = self.layer_rows[layer]
-        E = self.similarity.shape[-1]
-        primary = torch.zeros(E, dtype=torch.bool, device=ids.device)
-        primary[ids[:, :k1].reshape(-1)] = True
-        # For every expert, its most similar primary expert (argmax picks the lowest id on ties).
-        sim = self.similarity[row].masked_fill(~primary[None, :], float("-inf"))
-        best_sim, best = sim.max(dim=1)
-        secondary = ids[:, k1:]
-        move = ~primary[secondary] & ~self.protect[row][secondary] & (best_sim[secondary] >= self.threshold)
-        if opt_out is not None:
-            move &= ~opt_out[:, None]
-        out = ids.clone()
-        out[:, k1:] = torch.where(move, best[secondary], secondary)
-        return out, weights
+        # One Triton launch on CUDA (bit-identical to the reference, which CPU runs).
+        reroute = sere_reroute if ids.is_cuda else sere_reroute_reference
+        return reroute(ids, self.similarity[row], self.protect[row], opt_out, self.primary_k, self.threshold), weights
 
 
 class OeaPolicy(RoutingPolicy):
@@ -92,7 +102,7 @@ class OeaPolicy(RoutingPolicy):
             return ids, weights
         E = probs.shape[1]
         union = torch.zeros(E, dtype=torch.bool, device=ids.device)
-        union[ids[:, :k0].reshape(-1)] = True
+        union.index_fill_(0, ids[:, :k0].reshape(-1), True)  # a scalar fill: capturable in a CUDA graph
         # Candidates for the other slots: experts in the union, not already among the token's top-k0.
         allowed = union[None, :].expand(ids.shape[0], E).clone()
         allowed.scatter_(1, ids[:, :k0], False)

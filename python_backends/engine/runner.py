@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager, KVCache
 from .model import Qwen3VLMoeTextDecoder, StepInputs
 from .sampler import sample
@@ -10,11 +11,22 @@ from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, blocks: BlockManager):
+    def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, blocks: BlockManager, max_num_seqs: int,
+                 max_model_len: int, cuda_graphs: bool = True):
         self.model = model
         self.kv = kv
         self.blocks = blocks
         self.device = model.device
+        self.max_blocks = blocks.blocks_needed(max_model_len)
+        self.max_num_seqs = max_num_seqs
+        self.use_graphs = model.on_cuda and cuda_graphs
+        self.graphs: DecodeGraphs | None = None
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        if self.use_graphs:
+            self.graphs = None  # the old graphs' memory pool goes back before the new capture
+            self.graphs = DecodeGraphs(self.model, self.kv, self.max_num_seqs, self.max_blocks)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -56,23 +68,36 @@ class ModelRunner:
         generated = torch.arange(prompt.shape[1], n) + seq.rope_delta
         return torch.cat([prompt, generated.expand(3, -1)], dim=1)
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
-        bs = self.blocks.block_size
+    def decode_batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """Host tensors of one decode step; block tables padded with block 0 (never read past a context)."""
         lens = [len(s) for s in seqs]
-        max_len, max_blocks = max(lens), max(len(s.block_table) for s in seqs)
-        # Each context's cache slots, expanded on the device from the padded block tables (O(blocks) host work).
-        tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-        gather = (tables[:, :, None] * bs + torch.arange(bs, device=self.device)).flatten(1)[:, :max_len]
-        ctx = self._tensor(lens)
-        step = StepInputs(
-            positions=self._tensor([n - 1 + s.rope_delta for s, n in zip(seqs, lens)]).expand(3, -1),
-            slots=gather.gather(1, (ctx - 1)[:, None])[:, 0],  # where the newest token's K/V goes
-            is_prefill=False, seq_lens=[1] * len(seqs), gather_slots=gather,
-            attn_mask=(torch.arange(max_len, device=self.device)[None, :] < ctx[:, None])[:, None, None, :],
-            opt_out=self._tensor([s.opt_out for s in seqs], torch.bool))
-        return self._tensor([s.last_token for s in seqs]), step, torch.arange(len(seqs), device=self.device)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        bs = self.blocks.block_size
+        newest = ctx.long() - 1
+        return dict(input_ids=torch.tensor([s.last_token for s in seqs]),
+                    positions=torch.tensor([n - 1 + s.rope_delta for s, n in zip(seqs, lens)]).expand(3, -1),
+                    slots=tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs,
+                    block_tables=tables, context_lens=ctx,
+                    opt_out=torch.tensor([s.opt_out for s in seqs], dtype=torch.bool))
+
+    def prepare_decode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
+        d = {k: v.to(self.device) for k, v in batch.items()}
+        B = d["input_ids"].shape[0]
+        step = StepInputs(positions=d["positions"], slots=d["slots"], is_prefill=False, seq_lens=[1] * B,
+                          opt_out=d["opt_out"], block_tables=d["block_tables"], context_lens=d["context_lens"])
+        return d["input_ids"], step, torch.arange(B, device=self.device)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        ids, step, rows = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
-        logits = self.model.forward(ids, step, self.kv, rows)
+        if is_prefill:
+            ids, step, rows = self.prepare_prefill(seqs)
+            return sample(self.model.forward(ids, step, self.kv, rows), seqs)
+        batch = self.decode_batch(seqs)
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            logits = self.graphs.run(**batch)
+        else:
+            ids, step, rows = self.prepare_decode(batch)
+            logits = self.model.forward(ids, step, self.kv, rows)
+            self.model.routing_stats.add_step(self.model.last_routing, len(seqs), self.model.cfg.num_experts)
         return sample(logits, seqs)

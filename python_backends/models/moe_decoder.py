@@ -48,12 +48,13 @@ def engine_config(params: dict[str, str]) -> EngineConfig:
                                         "max_model_len", "max_tokens_cap", "sere_primary_k", "oea_k0",
                                         "routing_min_batch") if params.get(k)}
     extra = {}
+    for flag in ("sere_protect", "cuda_graphs"):
+        if params.get(flag):
+            if params[flag].lower() not in ("true", "false"):
+                raise ValueError(f"{flag} must be true or false, got {params[flag]!r}")
+            extra[flag] = params[flag].lower() == "true"
     if params.get("sere_threshold"):
         extra["sere_threshold"] = float(params["sere_threshold"])
-    if params.get("sere_protect"):
-        if params["sere_protect"].lower() not in ("true", "false"):
-            raise ValueError(f"sere_protect must be true or false, got {params['sere_protect']!r}")
-        extra["sere_protect"] = params["sere_protect"].lower() == "true"
     return EngineConfig(device=device, dtype=dtype, routing_policy=params.get("routing_policy", "topk"),
                         **ints, **extra)
 
@@ -113,8 +114,9 @@ class TritonPythonModel:
                   "running": len(sched.running), "waiting": len(sched.waiting)}
         for k, v in values.items():
             self.m_gauges[k].sync(v)
+        routing = self.engine.model.routing_stats.snapshot()
         for k, metric in self.m_routing.items():
-            metric.sync(getattr(self.engine.model.routing_stats, k))
+            metric.sync(routing[k])
         self.m_preemptions.sync(sched.num_preemptions)
 
     def execute(self, requests):

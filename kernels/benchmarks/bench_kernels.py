@@ -1,0 +1,332 @@
+"""Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
+
+    python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
+        [--parts decode,prefill,moe,sere,importance,paged] [--sweep]
+
+Every time is read against the device-copy bandwidth measured in the same run. Parts:
+- moe: one MoE layer (128 experts, top-8, hidden 2048, width 768, bf16) at batch 1..128 on skewed
+  router inputs: the fused Triton kernels (in a CUDA graph, as the engine runs them, and eager),
+  torch._grouped_mm, and the per-expert loop (the reference). Four copies of the layer rotate so
+  that L2 never holds the next call's weights.
+- sere: the re-route kernel per layer-step vs the reference's device ops (both in a graph).
+- importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
+- decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/16/64,
+  policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2: wall time of
+  engine.step() (TPOT) and the graph replay alone, with the union each policy produced.
+- prefill: the same engine prefilling 30 images' visual tokens (256 merged tokens each) at keep
+  1.0 and 0.6 plus 64 text tokens, to the first token.
+Writes OUT.json ({"device", "copy_gbps", "rows": [...]}) and OUT.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.moe import experts_reference, route_topk
+from zipmoe.engine.multimodal import VisualInputs
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
+from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels import fused_moe
+from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_impl
+from zipmoe.kernels.sere_reroute import sere_reroute, sere_reroute_reference
+
+from .random_model import QWEN3_30B_A3B, RandomStore, decoder_bytes
+from .timing import copy_gbps, cuda_time_us, graph_time_us
+
+CFG = QWEN3_30B_A3B
+MOE_BATCHES = (1, 4, 16, 64, 128)
+DECODE_BATCHES = (1, 16, 64)
+EXPERT_BYTES = 3 * CFG.moe_intermediate_size * CFG.hidden_size * 2
+
+
+def row(bench: str, impl: str, batch: int, time_us: float, bytes_read: int, policy: str = "", union: float = 0.0,
+        **extra) -> dict:
+    return {"bench": bench, "impl": impl, "batch": batch, "policy": policy, "union": float(union),
+            "time_us": round(time_us, 2), "bytes_read": int(bytes_read),
+            "gbps": round(bytes_read / time_us / 1e3, 1) if bytes_read else 0.0, **extra}
+
+
+def skewed_routing(batch: int, gate: torch.Tensor, direction: torch.Tensor, seed: int):
+    """Router inputs = a shared direction + noise, so popularity is skewed as in trained routers."""
+    g = torch.Generator(device=gate.device).manual_seed(seed)
+    x = (direction + torch.randn(batch, gate.shape[1], generator=g, device=gate.device)).bfloat16()
+    probs, ids, w = route_topk(x, gate, CFG.top_k, True)
+    return x, probs, ids, w
+
+
+def experts_grouped_mm(x, ids, weights, gate_up, down):
+    """torch._grouped_mm over slots sorted by expert (cuBLAS/CUTLASS grouped GEMM)."""
+    T, K = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    tokens = order // K
+    g, u = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+    return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y.float()).to(x.dtype)
+
+
+def random_layers(copies: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    E, I, H = CFG.num_experts, CFG.moe_intermediate_size, CFG.hidden_size
+
+    def randn(*shape, std):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * std
+
+    layers = [(randn(E, 2 * I, H, std=0.02), randn(E, H, I, std=0.02)) for _ in range(copies)]
+    return layers, randn(E, H, std=H ** -0.5).contiguous(), torch.randn(H, generator=g, device="cuda")
+
+
+def bench_moe(copies: int = 4) -> list[dict]:
+    layers, gate, direction = random_layers(copies)
+    rows = []
+    for B in MOE_BATCHES:
+        x, _, ids, w = skewed_routing(B, gate, direction, seed=B)
+        union = int(torch.unique(ids).numel())
+        nbytes = union * EXPERT_BYTES + 2 * x.numel() * 2
+
+        def over_layers(fn):
+            return lambda: [fn(x, ids, w, gu, dn) for gu, dn in layers]
+
+        impls = {
+            "fused_triton_graph": lambda: graph_time_us(over_layers(fused_experts), calls=1) / copies,
+            "fused_triton_eager": lambda: cuda_time_us(over_layers(fused_experts)) / copies,
+            "grouped_mm_eager": lambda: cuda_time_us(over_layers(experts_grouped_mm)) / copies,
+            "expert_loop_eager": lambda: cuda_time_us(over_layers(experts_reference), reps=5) / copies,
+        }
+        for impl, measure in impls.items():
+            try:
+                us = measure()
+            except Exception as e:  # a comparator unsupported here is reported, not fatal
+                print(f"moe_layer {impl} batch {B}: {type(e).__name__}: {e}")
+                continue
+            rows.append(row("moe_layer", impl, B, us, nbytes, "topk", union))
+            print_row(rows[-1])
+    return rows
+
+
+def sweep_moe(copies: int = 4) -> list[dict]:
+    """Tile shapes of the fused kernels per decode batch, timed in a graph; the fastest of each batch
+    goes to kernels/fused_moe_configs.json, which `pick_config` reads."""
+    layers, gate, direction = random_layers(copies, seed=1)
+    rows, best = [], {}
+    for B in (1, 4, 16, 64, 128):
+        x, _, ids, w = skewed_routing(B, gate, direction, seed=B)
+        nbytes = int(torch.unique(ids).numel()) * EXPERT_BYTES
+        block_ms = {1: (16,), 4: (16,), 16: (16, 32), 64: (32, 64), 128: (64, 128)}[B]
+        for bm in block_ms:
+            for bn in (32, 64):
+                for bk in (64, 128):
+                    for warps, stages in ((4, 4), (8, 3)):
+                        cfg = MoeConfig(bm, bn, bk, warps, stages)
+                        try:
+                            us = graph_time_us(lambda: [fused_experts_impl(x, ids, w, gu, dn, cfg) for gu, dn in layers],
+                                               calls=1) / copies
+                        except Exception as e:  # e.g. more shared memory than the device has
+                            print(f"sweep {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                            continue
+                        rows.append(row("moe_sweep", f"bm{bm}_bn{bn}_bk{bk}_w{warps}_s{stages}", B, us, nbytes))
+                        print_row(rows[-1])
+                        if us < best.get(B, (float("inf"),))[0]:
+                            best[B] = (us, [bm, bn, bk, warps, stages])
+    path = fused_moe.TUNED_CONFIGS
+    table = json.loads(path.read_text()) if path.exists() else {}
+    key = fused_moe.config_key(CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size)
+    table[key] = {str(b): cfg for b, (_, cfg) in sorted(best.items())}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {path}: {table[key]}")
+    return rows
+
+
+def bench_sere() -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    E = CFG.num_experts
+    _, gate, direction = random_layers(0)
+    sim = torch.rand(E, E, generator=g, device="cuda")
+    sim = (sim + sim.T) / 2
+    protect = torch.rand(E, generator=g, device="cuda") < 0.125
+    rows = []
+    for B in (16, 128):
+        _, _, ids, _ = skewed_routing(B, gate, direction, seed=B)
+        for impl, fn in (("triton", sere_reroute), ("torch_reference", sere_reroute_reference)):
+            us = graph_time_us(lambda: fn(ids, sim, protect, None, 2, 0.0), calls=48)
+            nbytes = ids.numel() * 8 * 2 + E * E * 4
+            rows.append(row("sere_kernel", impl, B, us, nbytes, "sere K'=2 rho=0"))
+            print_row(rows[-1])
+    return rows
+
+
+def random_sere(device: torch.device, seed: int = 0) -> SerePolicy:
+    """Random similarity (random experts are nearly equally unlike anyway), 1/8 protected, rho 0."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    L, E = CFG.num_layers, CFG.num_experts
+    sim = torch.rand(L, E, E, generator=g, device=device)
+    sim = (sim + sim.transpose(1, 2)) / 2
+    protect = torch.rand(L, E, generator=g, device=device) < 0.125
+    return SerePolicy(sim, protect, {i: i for i in range(L)}, primary_k=2, threshold=0.0, use_protect=True)
+
+
+def build_engine(max_num_seqs: int = 64) -> LLMEngine:
+    config = EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=max_num_seqs,
+                          max_model_len=16384, max_num_batched_tokens=16384, max_tokens_cap=4096)
+    t0 = time.perf_counter()
+    engine = LLMEngine(None, config, text=CFG, store=RandomStore(CFG, torch.device("cuda")), policy=RoutingPolicy())
+    print(f"random 30B-shaped engine + CUDA graphs: {time.perf_counter() - t0:.1f} s, "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    return engine
+
+
+def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: int = 24) -> list[dict]:
+    dev = torch.device("cuda")
+    policies = {"topk": RoutingPolicy(), "sere K'=2 rho=0": random_sere(dev), "oea k0=2": OeaPolicy(2)}
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, policy in policies.items():
+        engine.set_routing_policy(policy)
+        for B in DECODE_BATCHES:
+            seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
+                                       SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for _ in range(B)]
+            while any(len(s.output_ids) == 0 for s in seqs):  # prefill
+                engine.step()
+            for _ in range(3):
+                engine.step()
+            before = engine.model.routing_stats.snapshot()
+            times = []
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.step()  # samples on the host: the step ends when its tokens are known
+                times.append((time.perf_counter() - t0) * 1e6)
+            after = engine.model.routing_stats.snapshot()
+            union = (after["union_after"] - before["union_after"]) / (after["layer_steps"] - before["layer_steps"])
+            bucket = next(b for b in engine.runner.graphs.buckets if b >= B)
+            replay_us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=2, reps=10)
+            context = prompt + 3 + steps
+            nbytes = decoder_bytes(CFG, union, B, context)
+            for impl, us in (("engine_step", statistics.median(times)), ("graph_replay", replay_us)):
+                rows.append(row("decode_step", impl, B, us, nbytes, name, union, context=context,
+                                weight_read_us=round(nbytes / gbps_copy / 1e3, 1)))
+                print_row(rows[-1])
+            for s in seqs:
+                engine.abort(s)
+    engine.set_routing_policy(RoutingPolicy())
+    return rows
+
+
+def bench_prefill(engine: LLMEngine, images: int = 30, tokens_per_image: int = 256, text: int = 64) -> list[dict]:
+    H, dev = CFG.hidden_size, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for keep in (1.0, 0.6):
+        V = round(images * tokens_per_image * keep)
+        ids = list(range(1000, 1000 + text // 2)) + [CFG.image_token_id] * V + list(range(2000, 2000 + text // 2))
+        visual = VisualInputs(
+            embeds=torch.randn(V, H, generator=g, device=dev, dtype=torch.bfloat16),
+            deepstack=torch.randn(3, V, H, generator=g, device=dev, dtype=torch.bfloat16) * 0.1,
+            positions=torch.arange(len(ids)).expand(3, -1), rope_delta=0)
+        times = []
+        for i in range(4):
+            seq = engine.add_request(ids, SamplingParams(max_tokens=1), visual=visual)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            if i:  # the first one warms up the prefill-shaped kernels
+                times.append((time.perf_counter() - t0) * 1e6)
+            assert seq.finished
+        rows.append(row("prefill_30img", "decoder_prefill", 1, statistics.median(times), 0, f"keep {keep}",
+                        prompt_tokens=len(ids), visual_tokens=V))
+        print_row(rows[-1])
+    return rows
+
+
+def print_row(r: dict) -> None:
+    extra = f"  union {r['union']:6.2f}" if r["union"] else ""
+    bw = f"  {r['gbps']:7.1f} GB/s" if r["gbps"] else ""
+    print(f"{r['bench']:14s} {r['impl']:22s} {r['policy']:18s} batch {r['batch']:4d}  {r['time_us']:10.1f} us{bw}{extra}",
+          flush=True)
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, copy = result["rows"], result["copy_gbps"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for impl in sorted({r["impl"] for r in rows if r["bench"] == "moe_layer"}):
+        pts = [(r["batch"], r["gbps"]) for r in rows if r["bench"] == "moe_layer" and r["impl"] == impl]
+        a.plot(*zip(*pts), marker="o", label=impl)
+    a.axhline(copy, color="k", ls="--", label=f"device copy {copy:.0f} GB/s")
+    a.axhline(0.8 * copy, color="gray", ls=":", label="80 % of copy")
+    a.set(xscale="log", xlabel="tokens per MoE layer call", ylabel="achieved GB/s (expert weights)",
+          title="MoE layer, Qwen3-30B-A3B shape, H200")
+    a.legend(fontsize=8)
+    for policy in sorted({r["policy"] for r in rows if r["bench"] == "decode_step"}):
+        pts = [(r["batch"], r["time_us"] / 1e3) for r in rows
+               if r["bench"] == "decode_step" and r["impl"] == "engine_step" and r["policy"] == policy]
+        b.plot(*zip(*pts), marker="o", label=policy)
+    b.set(xscale="log", xlabel="decode batch", ylabel="TPOT (ms)", title="decode step, 48 layers, CUDA graphs")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/results/kernels_h200")
+    ap.add_argument("--parts", default="decode,prefill,moe,sere,importance,paged")
+    ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    torch.manual_seed(0)
+    gbps = copy_gbps()
+    print(f"device {torch.cuda.get_device_name()}: copy_ {gbps:.0f} GB/s (read + write)", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(gbps, 1), "rows": []}
+
+    def save(rows: list[dict]) -> None:  # after every part: a run cut short keeps what it measured
+        result["rows"] += rows
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+
+    if args.sweep:
+        save(sweep_moe())
+    else:
+        if {"decode", "prefill"} & parts:
+            engine = build_engine()
+            if "decode" in parts:
+                save(bench_decode(engine, gbps))
+            if "prefill" in parts:
+                save(bench_prefill(engine))
+            del engine
+            torch.cuda.empty_cache()
+        if "moe" in parts:
+            save(bench_moe())
+        if "sere" in parts:
+            save(bench_sere())
+        if "importance" in parts:
+            from .bench_importance import bench_importance
+            save(bench_importance("cuda"))
+        if "paged" in parts:
+            from .bench_paged_attention import bench_paged_attention
+            save(bench_paged_attention("cuda"))
+        try:
+            plot(result, out.with_suffix(".png"))
+        except ImportError:
+            print("matplotlib missing (pip install -e '.[bench]'): no PNG")
+    print(f"wrote {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""Fused MoE experts (Triton): gate_up -> SiLU*mul -> down -> routing-weighted sum over slots.
+
+A decode step is memory-bound: what costs is reading each activated expert's weights, so the
+kernels read every expert of the batch's union exactly once per call and nothing else big.
+Slots (token, rank) are grouped by expert into tiles of BLOCK_M rows (`moe_align`); a program
+owns one (tile, column tile) pair and streams its expert's weights through registers.
+
+Everything has a fixed shape given (tokens, top_k, experts): the tile count is bounded by
+min(E, S) + cdiv(S, BLOCK_M) for S = tokens * top_k slots, tiles past the used ones exit at
+once, and nothing is read back to the host. So a decode step using these kernels can be
+captured in a CUDA graph and replayed with other routing.
+
+Reference: `experts_reference` in engine/moe.py (same signature as `fused_experts`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile shape of both expert GEMMs; `decode` for a few slots per expert, `prefill` for many."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Tuned tile shapes per device and expert shape, written by
+# `python -m zipmoe.kernels.benchmarks.bench_kernels --sweep` (as vLLM keeps its fused-MoE configs).
+TUNED_CONFIGS = Path(__file__).with_name("fused_moe_configs.json")
+# The single-program aligner handles up to this many slots (a decode batch of 128 x top-8 is 1,024).
+ALIGN_MAX_SLOTS = 2048
+
+
+@functools.lru_cache(maxsize=None)
+def config_key(num_experts: int, hidden: int, width: int) -> str:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{device},E={num_experts},H={hidden},I={width}"
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(key: str) -> dict[int, MoeConfig]:
+    if not TUNED_CONFIGS.exists():
+        return {}
+    table = json.loads(TUNED_CONFIGS.read_text()).get(key, {})
+    return {int(t): MoeConfig(*cfg) for t, cfg in table.items()}
+
+
+def pick_config(num_tokens: int, num_experts: int, hidden: int, width: int, elem_bytes: int = 2) -> MoeConfig:
+    """The tuned shape for the smallest tuned batch >= num_tokens; else a default that keeps every
+    expert's slots of a decode batch in one tile (so its weights are read once) and fits shared
+    memory for bf16 and float32."""
+    tuned = _tuned(config_key(num_experts, hidden, width)) if elem_bytes == 2 else {}
+    fits = [t for t in tuned if t >= num_tokens]
+    if fits:
+        return tuned[min(fits)]
+    if num_tokens > 256:
+        return MoeConfig(64, 128, 64 // (elem_bytes // 2), 8, 3)
+    block_m = min(max(16, triton.next_power_of_2(num_tokens)), 64)
+    return MoeConfig(block_m, 64, 128 // (elem_bytes // 2), 4 if block_m <= 32 else 8, 3)
+
+
+def num_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on tiles: each used expert wastes less than one tile of padding."""
+    return min(num_experts, num_slots) + triton.cdiv(num_slots, block_m)
+
+
+def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, K] -> (tile_slots int32 [G * block_m], tile_expert int32 [G]).
+
+    Tiles hold the slots (t * K + k) of one expert in ascending order, padded with S (= T*K);
+    experts in ascending order; unused tiles have expert -1. Device ops only, no host sync.
+    """
+    flat = ids.reshape(-1)
+    S = flat.numel()
+    G = num_tiles(S, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(G, device=ids.device), right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(S, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
+    dest = (tile_end - tiles)[by_expert] * block_m + rank
+    tile_slots = torch.full((G * block_m,), S, dtype=torch.int32, device=ids.device)
+    tile_slots[dest] = order.to(torch.int32)
+    return tile_slots, tile_expert
+
+
+@triton.jit
+def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, tile_start_ptr, S, E, G,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, G_PAD: tl.constexpr):
+    # One program: S is at most a few thousand, so quadratic chunked compares beat a multi-kernel sort.
+    experts = tl.arange(0, E_PAD)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, S, CHUNK):
+        e = tl.load(ids_ptr + c0 + lane, mask=c0 + lane < S, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    tl.store(tile_start_ptr + experts, tile_end - tiles, mask=experts < E)
+    # Tile g belongs to the number of experts whose tiles all end at or before it.
+    g = tl.arange(0, G_PAD)
+    owner = tl.sum((tile_end[None, :] <= g[:, None]).to(tl.int32), axis=1)
+    owner = tl.where(owner < E, owner, -1)
+    tl.store(tile_expert_ptr + g, owner, mask=g < G)
+    for g0 in range(0, G * BLOCK_M, CHUNK):
+        tl.store(tile_slots_ptr + g0 + lane, tl.full([CHUNK], 0, tl.int32) + S, mask=g0 + lane < G * BLOCK_M)
+    tl.debug_barrier()  # tile starts and padding are visible to every thread before the scatter
+    for c0 in range(0, S, CHUNK):
+        slot = c0 + lane
+        e = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
+        # Rank of a slot inside its expert: earlier slots with the same expert.
+        rank = tl.zeros([CHUNK], dtype=tl.int32)
+        for p0 in range(0, c0 + CHUNK, CHUNK):
+            prev = p0 + lane
+            pe = tl.load(ids_ptr + prev, mask=prev < S, other=-2).to(tl.int32)
+            same = (e[:, None] == pe[None, :]) & (prev[None, :] < slot[:, None])
+            rank += tl.sum(same.to(tl.int32), axis=1)
+        start = tl.load(tile_start_ptr + e, mask=slot < S, other=0)
+        tl.store(tile_slots_ptr + start * BLOCK_M + rank, slot, mask=slot < S)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as `moe_align_reference`; one launch for decode-sized batches."""
+    S = ids.numel()
+    if S > ALIGN_MAX_SLOTS:
+        return moe_align_reference(ids, num_experts, block_m)
+    G = num_tiles(S, num_experts, block_m)
+    tile_slots = torch.empty(G * block_m, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.empty(G, dtype=torch.int32, device=ids.device)
+    tile_start = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](ids.reshape(-1), tile_slots, tile_expert, tile_start, S, num_experts, G,
+                        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=64,
+                        G_PAD=triton.next_power_of_2(G), num_warps=4)
+    return tile_slots, tile_expert
+
+
+@triton.jit
+def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr):
+    """This program's tile: its expert (-1: unused tile), its slots, and which of them are real."""
+    expert = tl.load(tile_expert_ptr + tl.program_id(0)).to(tl.int64)
+    slots = tl.load(tile_slots_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, slots, slots < S
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    pid_n = tl.program_id(1)
+    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
+    if expert < 0:
+        return
+    tokens = (slots // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * H
+    # gate rows are [0, I), up rows [I, 2I) of the fused [2I, H] matrix.
+    w_gate = w_ptr + expert * 2 * I * H + cols[None, :].to(tl.int64) * H
+    w_up = w_gate + I * H
+    col_ok = cols[None, :] < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = k0 + ks < H
+        a = tl.load(x_rows + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(w_gate + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+        u = tl.load(w_up + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(out_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok)
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n = tl.program_id(1)
+    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
+    if expert < 0:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    h_rows = h_ptr + slots[:, None].to(tl.int64) * I
+    w_cols = w_ptr + expert * H * I + cols[None, :].to(tl.int64) * I
+    col_ok = cols[None, :] < H
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = k0 + ks < I
+        a = tl.load(h_rows + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    weight = tl.load(weight_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    tl.store(out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok)
+
+
+def fused_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    T, H = x.shape
+    K = ids.shape[1]
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    S = T * K
+    cfg = config or pick_config(T, E, H, I, x.element_size())
+    tile_slots, tile_expert = moe_align(ids, E, cfg.block_m)
+    G = tile_expert.numel()
+    hidden = torch.empty(S, I, dtype=x.dtype, device=x.device)
+    per_slot = torch.empty(S, H, dtype=x.dtype, device=x.device)
+    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  # float32 weights (tests, the tiny model on CUDA) match the float32 reference, not TF32.
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_kernel[(G, triton.cdiv(I, cfg.block_n))](
+        x.contiguous(), gate_up, hidden, tile_slots, tile_expert, S, H, I, TOP_K=K, **launch)
+    _down_kernel[(G, triton.cdiv(H, cfg.block_n))](
+        hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert, S, H, I, **launch)
+    # Slot results in x's dtype, summed per token (float32 accumulation inside the sum; no atomics,
+    # so deterministic).
+    return per_slot.view(T, K, H).sum(dim=1)
+
+
+@torch.library.custom_op("zipmoe::fused_experts", mutates_args=())
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H]; down [E, H, I] (contiguous) -> [T, H]."""
+    return fused_experts_impl(x, ids, weights, gate_up, down)
+
+
+@fused_experts.register_fake
+def _(x, ids, weights, gate_up, down):
+    return torch.empty_like(x)

@@ -1,0 +1,78 @@
+"""The decode forward captured in CUDA graphs, one per batch-size bucket.
+
+A decode step of a 48-layer MoE launches a few hundred small kernels; replaying them as one
+graph removes the per-launch host cost, which otherwise dominates at small batches. Everything
+the step reads lives in static buffers sized for the largest bucket; a batch of B runs the
+graph of the smallest bucket >= B, its extra rows padded with copies of row 0 (same token,
+position, context: so they route to the same experts and the union is unchanged) whose K/V
+go to the cache's scratch slot. The routing policy is part of the graph; buckets include
+routing_min_batch - 1 and routing_min_batch, so a bucket decides exactly as the batch would.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import KVCache
+from .model import Qwen3VLMoeTextDecoder, StepInputs
+
+
+def bucket_sizes(max_batch: int, routing_min_batch: int = 1) -> list[int]:
+    sizes = {1, 2, 4, max_batch} | set(range(8, max_batch + 1, 8))
+    sizes |= {b for b in (routing_min_batch - 1, routing_min_batch) if 1 <= b <= max_batch}
+    return sorted(s for s in sizes if s <= max_batch)
+
+
+class DecodeGraphs:
+    def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, max_batch: int, max_blocks: int):
+        self.model = model
+        self.buckets = bucket_sizes(max_batch, model.routing_min_batch)
+        n, dev = self.buckets[-1], model.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(3, n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), kv.scratch_slot, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.opt_out = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.rows = torch.arange(n, device=dev)  # logit rows; every tensor a graph reads must outlive it
+        self.scratch_slot = kv.scratch_slot
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.routing: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        pool = None
+        # Largest first: smaller graphs then fit in the memory pool the largest one already holds.
+        for b in reversed(self.buckets):
+            step, rows = self._step(b), self.rows[:b]
+            model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = model.forward(self.input_ids[:b], step, kv, rows)
+            pool = graph.pool()
+            self.graphs[b], self.routing[b] = graph, model.last_routing
+        torch.cuda.synchronize()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _step(self, b: int) -> StepInputs:
+        return StepInputs(positions=self.positions[:, :b], slots=self.slots[:b], is_prefill=False,
+                          seq_lens=[1] * b, block_tables=self.block_tables[:b],
+                          context_lens=self.context_lens[:b], opt_out=self.opt_out[:b])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor, opt_out: torch.Tensor) -> torch.Tensor:
+        """Host tensors of one decode batch (B rows) -> logits [B, vocab] (valid until the next run)."""
+        B = input_ids.shape[0]
+        b = next(s for s in self.buckets if s >= B)
+        pad = torch.zeros(b, dtype=torch.long)  # padding rows copy row 0 ...
+        pad[:B] = torch.arange(B)
+        slots = torch.cat([slots, torch.full((b - B,), self.scratch_slot, dtype=slots.dtype)])  # ... but write aside
+        self.input_ids[:b].copy_(input_ids[pad], non_blocking=True)
+        self.positions[:, :b].copy_(positions[:, pad], non_blocking=True)
+        self.slots[:b].copy_(slots, non_blocking=True)
+        self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables[pad], non_blocking=True)
+        self.context_lens[:b].copy_(context_lens[pad], non_blocking=True)
+        self.opt_out[:b].copy_(opt_out[pad], non_blocking=True)
+        self.graphs[b].replay()
+        self.model.routing_stats.add_step(self.routing[b], B, self.model.cfg.num_experts)
+        return self.logits[b][:B]

@@ -1,0 +1,85 @@
+"""Fused per-token layer steps (norms, q/k norm + RoPE + cache write, router top-K) against their
+references, and the whole tiny decoder run through every kernel against the reference path
+(CPU: Triton interpreter, float32; GPU: bf16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.model import KERNELS, REFERENCE
+from zipmoe.engine.rope import MRope
+from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache,
+                                      qk_norm_rope_cache_reference, rms_norm, rms_norm_fused, topk_softmax,
+                                      topk_softmax_reference)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _dtype(device):
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [64, 48, 2048])
+def test_rms_norms(device, N):
+    g = torch.Generator().manual_seed(N)
+    dt = _dtype(device)
+    h, delta = (torch.randn(5, N, generator=g).to(device, dt) for _ in range(2))
+    w = torch.rand(N, generator=g).to(device, dt) + 0.5
+    tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # one bf16 ulp of a value near 1
+    torch.testing.assert_close(rms_norm_fused(h, w, 1e-6), rms_norm(h, w, 1e-6), **tol)
+    got, want = add_rms_norm(h, delta, w, 1e-6), add_rms_norm_reference(h, delta, w, 1e-6)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # the residual add rounds the same way
+    torch.testing.assert_close(got[1], want[1], **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (32, 4, 128)])
+def test_qk_norm_rope_cache(device, hq, hkv, d):
+    g = torch.Generator().manual_seed(d)
+    dt, T = _dtype(device), 6
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(device, dt)
+    qn, kn = (torch.rand(d, generator=g).to(device, dt) + 0.5 for _ in range(2))
+    rope = MRope(d, 1e6, {16: (4, 2, 2), 128: (24, 20, 20)}[d], torch.device(device))  # tiny, Qwen3-30B
+    positions = torch.stack([torch.arange(T) * 3, torch.arange(T) + 7, torch.arange(T) * 2]).to(device)
+    cos, sin = rope.cos_sin(positions, dt)
+    slots = torch.tensor([9, 2, 31, 0, 17, 5], device=device)
+    caches = [torch.zeros(32, hkv, d, dtype=dt, device=device) for _ in range(4)]
+    q = qk_norm_rope_cache(qkv, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, hq, hkv)
+    q_ref = qk_norm_rope_cache_reference(qkv, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, hq, hkv)
+    # bf16: a float32 sum in another order can move a rounding by one ulp (~0.8 % of values near 1),
+    # which rotation turns into an absolute error where two such values cancel.
+    tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)  # v is copied as is
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,K,normalize", [(16, 4, True), (128, 8, True), (60, 2, False)])
+def test_topk_softmax(device, E, K, normalize):
+    # float32 logits on both devices: bf16 logits tie often, and torch.topk orders ties as it likes.
+    logits = torch.randn(33, E, generator=torch.Generator().manual_seed(E)).to(device)
+    probs, ids, w = topk_softmax(logits, K, normalize, _dtype(device))
+    probs_ref, ids_ref, w_ref = topk_softmax_reference(logits, K, normalize, _dtype(device))
+    torch.testing.assert_close(probs, probs_ref)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref)
+
+
+def _generate(checkpoint, device, ops, steps=6):
+    eng = LLMEngine(checkpoint, EngineConfig(device=device, num_kv_blocks=64, max_model_len=256, cuda_graphs=False))
+    eng.model.ops = ops
+    prompts = [list(range(10, 30)), list(range(40, 47)), list(range(100, 133))]
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    return [s.output_ids for s in seqs]
+
+
+def test_decoder_through_every_kernel_matches_the_reference_path(tiny_checkpoint):
+    """Fused norms, q/k norm + RoPE + cache writes, router, experts and paged decode attention,
+    in Triton's interpreter, give the reference path's greedy tokens (float32)."""
+    assert _generate(tiny_checkpoint, "cpu", KERNELS) == _generate(tiny_checkpoint, "cpu", REFERENCE)
