@@ -157,18 +157,19 @@ def _corpus() -> list[str]:
     return english + questions + numbers + chinese + emoji
 
 
-def _build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
-    # Byte-level BPE like Qwen's: every byte is a token, so any UTF-8 text round-trips.
+def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = LEARNED_VOCAB) -> PreTrainedTokenizerFast:
+    """Byte-level BPE like Qwen's (every byte is a token, so any UTF-8 text round-trips) learned on
+    `corpus` (default: the demo's mixed text), the Qwen special tokens and the chat template."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=LEARNED_VOCAB,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_corpus(), trainer)
+    bpe.train_from_iterator(corpus or _corpus(), trainer)
     bpe.add_special_tokens(list(SPECIAL_TOKENS))
 
     tok = PreTrainedTokenizerFast(
@@ -185,7 +186,8 @@ def _build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
     return tok
 
 
-def _config(tok: PreTrainedTokenizerFast) -> Qwen3VLMoeConfig:
+def model_config(tok: PreTrainedTokenizerFast, text: dict | None = None, vision: dict | None = None) -> Qwen3VLMoeConfig:
+    """The tiny model's config; `text` / `vision` override its text and vision settings."""
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return Qwen3VLMoeConfig(
         text_config=dict(
@@ -210,7 +212,7 @@ def _config(tok: PreTrainedTokenizerFast) -> Qwen3VLMoeConfig:
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
             attention_bias=False,
-        ),
+        ) | (text or {}),
         vision_config=dict(
             depth=4,
             hidden_size=32,
@@ -224,7 +226,7 @@ def _config(tok: PreTrainedTokenizerFast) -> Qwen3VLMoeConfig:
             out_hidden_size=64,
             num_position_embeddings=64,
             deepstack_visual_indexes=[1, 2],
-        ),
+        ) | (vision or {}),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -254,13 +256,20 @@ def _build_model(out: Path, config: Qwen3VLMoeConfig, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, _init_std(name), generator=gen)
-    text = config.text_config
+    save_model(model, out)
+
+
+def save_model(model: Qwen3VLMoeForConditionalGeneration, out: Path) -> None:
+    """bf16 safetensors, generation config (stop on <|im_end|> or <|endoftext|>) and the image
+    processor settings, as the real checkpoint has them."""
+    text = model.config.text_config
     model.generation_config = GenerationConfig(
         bos_token_id=text.bos_token_id,
         eos_token_id=[text.eos_token_id, text.pad_token_id],  # <|im_end|>, <|endoftext|>
         pad_token_id=text.pad_token_id,
     )
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
 
 
 def _stamp(seed: int) -> dict:
@@ -278,13 +287,12 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     stamp.unlink(missing_ok=True)  # an interrupted rebuild must not look complete
 
     print(f"{out}: training tokenizer")
-    tok = _build_tokenizer(out)
+    tok = build_tokenizer(out)
     print(f"{out}: {len(tok)} tokens, building model (seed {seed})")
-    _build_model(out, _config(tok), seed)
+    _build_model(out, model_config(tok), seed)
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = sorted(f.keys())
     print(f"{out}: {len(keys)} tensors, layer 0 MoE: {[k for k in keys if '.layers.0.mlp.' in k]}")
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n")
 
     stamp.write_text(json.dumps(_stamp(seed), indent=2) + "\n")
     print(f"{out}: done")

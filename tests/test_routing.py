@@ -5,7 +5,7 @@ import torch
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.moe import experts_reference
-from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
+from zipmoe.engine.routing import OeaPolicy, TruncatePolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
 
 E = 6
@@ -110,3 +110,12 @@ def test_sere_shrinks_the_mean_union_of_a_16_request_batch(tiny_checkpoint):
     assert s["rerouted_slots"] > 0
     assert s["union_after"] / s["layer_steps"] < b["union_after"] / b["layer_steps"]
     assert s["union_before"] >= s["union_after"]
+
+
+def test_truncate_keeps_the_first_k_experts_renormalised():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
+    ids = probs.topk(3).indices
+    w = probs.gather(1, ids)
+    new_ids, new_w = TruncatePolicy(k=2).route(0, probs, ids, w, torch.tensor([False, True]))
+    assert new_ids[0].tolist() == [0, 1, 0] and torch.allclose(new_w[0], torch.tensor([0.625, 0.375, 0.0]))
+    assert torch.equal(new_ids[1], ids[1]) and torch.equal(new_w[1], w[1])  # opted out

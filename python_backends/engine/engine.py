@@ -36,6 +36,7 @@ class EngineConfig:
     sere_threshold: float = 0.5
     sere_protect: bool = True
     oea_k0: int = 2
+    truncate_k: int = 2  # routing_policy truncate: every token keeps its first truncate_k experts
     routing_min_batch: int = 1  # decode batches smaller than this keep plain top-K
     cuda_graphs: bool = True  # on CUDA, replay the decode step from per-batch-size CUDA graphs
 
@@ -69,6 +70,7 @@ class LLMEngine:
         policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, device,
                                        sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
                                        sere_protect=config.sere_protect, oea_k0=config.oea_k0,
+                                       truncate_k=config.truncate_k,
                                        normalize=self.text.norm_topk_prob)
         self.model = Qwen3VLMoeTextDecoder(self.text, store, dtype, device, policy, config.routing_min_batch)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)

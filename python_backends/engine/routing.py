@@ -120,11 +120,34 @@ class OeaPolicy(RoutingPolicy):
         return new_ids, new_w
 
 
-POLICIES = ("topk", "sere", "oea")
+class TruncatePolicy(RoutingPolicy):
+    """Every token keeps only its first k experts (the baseline SERE is measured against): the other
+    slots point at the token's first expert with weight 0, weights renormalised over the k kept."""
+    name = "truncate"
+
+    def __init__(self, k: int = 2, normalize: bool = True):
+        self.k = k
+        self.normalize = normalize
+
+    def route(self, layer, probs, ids, weights, opt_out):
+        if self.k >= ids.shape[1]:
+            return ids, weights
+        keep = torch.arange(ids.shape[1], device=ids.device) < self.k
+        new_ids = torch.where(keep, ids, ids[:, :1])
+        new_w = torch.where(keep, weights, torch.zeros_like(weights))
+        if self.normalize:
+            new_w = (new_w.float() / new_w.float().sum(dim=1, keepdim=True)).to(weights.dtype)
+        if opt_out is not None:
+            out = opt_out[:, None]
+            new_ids, new_w = torch.where(out, ids, new_ids), torch.where(out, weights, new_w)
+        return new_ids, new_w
+
+
+POLICIES = ("topk", "sere", "oea", "truncate")
 
 
 def make_policy(name: str, top_k: int, checkpoint, device: torch.device, *, sere_primary_k: int = 2,
-                sere_threshold: float = 0.5, sere_protect: bool = True, oea_k0: int = 2,
+                sere_threshold: float = 0.5, sere_protect: bool = True, oea_k0: int = 2, truncate_k: int = 2,
                 normalize: bool = True) -> RoutingPolicy:
     """The configured policy; `sere` needs the checkpoint's calibration file (a clear error without it)."""
     if name == "topk":
@@ -133,6 +156,10 @@ def make_policy(name: str, top_k: int, checkpoint, device: torch.device, *, sere
         if not 1 <= oea_k0 <= top_k:
             raise ValueError(f"oea_k0 must be in [1, {top_k}], got {oea_k0}")
         return OeaPolicy(oea_k0, normalize)
+    if name == "truncate":
+        if not 1 <= truncate_k <= top_k:
+            raise ValueError(f"truncate_k must be in [1, {top_k}], got {truncate_k}")
+        return TruncatePolicy(truncate_k, normalize)
     if name == "sere":
         if not 1 <= sere_primary_k <= top_k:
             raise ValueError(f"sere_primary_k must be in [1, {top_k}], got {sere_primary_k}")

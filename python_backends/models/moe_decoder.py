@@ -45,7 +45,7 @@ class Pending:
 def engine_config(params: dict[str, str]) -> EngineConfig:
     device, dtype = device_and_dtype(params)
     ints = {k: int(params[k]) for k in ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                        "max_model_len", "max_tokens_cap", "sere_primary_k", "oea_k0",
+                                        "max_model_len", "max_tokens_cap", "sere_primary_k", "oea_k0", "truncate_k",
                                         "routing_min_batch") if params.get(k)}
     extra = {}
     for flag in ("sere_protect", "cuda_graphs"):

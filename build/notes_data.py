@@ -1,0 +1,414 @@
+"""Deterministic synthetic multi-image QA examples over note-like images.
+
+Every example holds 2..5 small RGB images -- always at least one detail-dense
+note (price tag, receipt, table) and at least one plain one (coloured shape,
+solid colour) -- and one English question with a short exact answer. It is
+fully determined by its integer seed, so the tiny-model training script and the
+accuracy harness see the same data everywhere:
+
+    python -m zipmoe.build.notes_data --split test --n 8 --out DIR
+
+writes DIR/<seed>_<k>.png (k = 1-based image number, as in the questions) and
+DIR/examples.jsonl for humans to look at.
+
+Text is drawn with Pillow's bundled TrueType font (`ImageFont.load_default(size=...)`,
+Pillow >= 10.1 with FreeType), large enough to stay legible at 16-pixel patches:
+price digits ~40-45 px tall, receipt lines in a 21-23 px font, table digits ~30 px.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+IMAGE_SIZE: tuple[int, int] = (128, 128)  # (width, height); keep both multiples of 32
+TASKS: tuple[str, ...] = ("read_price", "read_total", "find", "count", "compare", "colour")
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+
+MIN_IMAGES, MAX_IMAGES = 2, 5
+PRICE_RANGE = (10, 99)
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 45, 45),
+    "green": (45, 160, 70),
+    "blue": (45, 90, 215),
+    "yellow": (240, 205, 40),
+}
+_DENSE_TYPES = (("price_tag", 2), ("receipt", 2), ("table", 1))  # (type, weight)
+_PLAIN_TYPES = (("shape", 3), ("solid", 2))
+_RECEIPT_LETTERS = "ABCDEFGHJKLMNPRSTUVWXYZ"
+
+QUESTIONS: dict[str, str] = {
+    "read_price": "what is the price in image {i}?",
+    "read_total": "what is the total on the receipt?",
+    "find": "which image shows a {colour} {shape}?",
+    "count": "how many images show a {shape}?",
+    "compare": "which image has the higher price, {i} or {j}?",
+    "colour": "what colour is the shape in image {i}?",
+}
+
+__all__ = [
+    "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "Example",
+    "make_example", "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
+]
+
+
+@dataclass(frozen=True)
+class Example:
+    images: tuple[Image.Image, ...]
+    kinds: tuple[str, ...]  # "dense" | "plain", one per image
+    question: str
+    answer: str
+    task: str
+    seed: int
+
+
+# ----------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class _Note:
+    """What one image shows: the facts answers are derived from (drawn exactly)."""
+
+    type: str  # price_tag | receipt | table | shape | solid
+    price: int | None = None
+    items: tuple[tuple[str, int], ...] = ()
+    cells: tuple[int, ...] = ()
+    shape: str | None = None
+    colour: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return "dense" if self.type in ("price_tag", "receipt", "table") else "plain"
+
+    @property
+    def total(self) -> int | None:
+        return sum(v for _, v in self.items) if self.type == "receipt" else None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    task: str
+    notes: tuple[_Note, ...]
+    question: str
+    answer: str
+
+
+def _weighted(rng: random.Random, table) -> str:
+    names, weights = zip(*table)
+    return rng.choices(names, weights=weights)[0]
+
+
+def _price_tag(rng: random.Random, exclude: tuple[int, ...] = ()) -> _Note:
+    price = rng.choice([p for p in range(PRICE_RANGE[0], PRICE_RANGE[1] + 1) if p not in exclude])
+    return _Note("price_tag", price=price)
+
+
+def _receipt(rng: random.Random) -> _Note:
+    n = rng.randint(2, 3)
+    hi = 49 if n == 2 else 33  # two-digit items, total <= 99
+    letters = rng.sample(_RECEIPT_LETTERS, n)
+    return _Note("receipt", items=tuple((c, rng.randint(10, hi)) for c in letters))
+
+
+def _dense(rng: random.Random, allowed: tuple[str, ...]) -> _Note:
+    kind = _weighted(rng, [t for t in _DENSE_TYPES if t[0] in allowed])
+    if kind == "price_tag":
+        return _price_tag(rng)
+    if kind == "receipt":
+        return _receipt(rng)
+    return _Note("table", cells=tuple(rng.randint(1, 9) for _ in range(4)))
+
+
+def _plain(rng: random.Random, forbid_shape=lambda shape, colour: False) -> _Note:
+    while True:  # rejection keeps the remaining combinations uniform; always terminates
+        if _weighted(rng, _PLAIN_TYPES) == "solid":
+            return _Note("solid", colour=rng.choice(list(COLOURS)))
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        if not forbid_shape(shape, colour):
+            return _Note("shape", shape=shape, colour=colour)
+
+
+def _plan(rng_or_seed) -> _Plan:
+    """The facts of an example (task, notes in display order, question, answer), before drawing.
+
+    Answers are read back from the placed notes, never carried over from the sampling."""
+    rng = rng_or_seed if isinstance(rng_or_seed, random.Random) else random.Random(rng_or_seed)
+    task = rng.choice(TASKS)
+    n = rng.randint(3 if task == "compare" else MIN_IMAGES, MAX_IMAGES)
+    dense_ok = ("price_tag", "receipt", "table")
+    forbid = lambda shape, colour: False  # noqa: E731
+    required: list[_Note] = []
+    target_shape = None
+    if task == "read_price":
+        required = [_price_tag(rng)]
+    elif task == "compare":
+        a = _price_tag(rng)
+        required = [a, _price_tag(rng, exclude=(a.price,))]
+    elif task == "read_total":
+        required = [_receipt(rng)]
+        dense_ok = ("price_tag", "table")  # exactly one receipt
+    elif task in ("find", "colour"):
+        required = [_Note("shape", shape=rng.choice(SHAPES), colour=rng.choice(list(COLOURS)))]
+        if task == "find":  # exactly one image shows this colour and shape
+            t = required[0]
+            forbid = lambda shape, colour: (shape, colour) == (t.shape, t.colour)  # noqa: E731
+    elif task == "count":
+        target_shape = rng.choice(SHAPES)
+        k = rng.randint(0, n - 1)  # at least one slot stays dense
+        required = [_Note("shape", shape=target_shape, colour=rng.choice(list(COLOURS))) for _ in range(k)]
+        forbid = lambda shape, colour: shape == target_shape  # noqa: E731
+
+    kinds = [r.kind for r in required]
+    fill = []
+    if "dense" not in kinds:
+        fill.append("dense")
+    if "plain" not in kinds:
+        fill.append("plain")
+    fill += [rng.choice(("dense", "plain")) for _ in range(n - len(required) - len(fill))]
+    notes = required + [_dense(rng, dense_ok) if f == "dense" else _plain(rng, forbid) for f in fill]
+    order = list(range(n))
+    rng.shuffle(order)
+    notes = [notes[o] for o in order]
+    pos = {o: p + 1 for p, o in enumerate(order)}  # index in `required` -> 1-based image number
+
+    if task == "read_price":
+        i = pos[0]
+        q, a = QUESTIONS[task].format(i=i), str(notes[i - 1].price)
+    elif task == "compare":
+        i, j = sorted((pos[0], pos[1]))
+        a = i if notes[i - 1].price > notes[j - 1].price else j
+        q, a = QUESTIONS[task].format(i=i, j=j), str(a)
+    elif task == "read_total":
+        (r,) = [x for x in notes if x.type == "receipt"]
+        q, a = QUESTIONS[task], str(r.total)
+    elif task == "find":
+        t = required[0]
+        (i,) = [p + 1 for p, x in enumerate(notes) if (x.type, x.shape, x.colour) == ("shape", t.shape, t.colour)]
+        q, a = QUESTIONS[task].format(colour=t.colour, shape=t.shape), str(i)
+    elif task == "colour":
+        i = pos[0]
+        q, a = QUESTIONS[task].format(i=i), notes[i - 1].colour
+    else:  # count
+        a = sum(x.type == "shape" and x.shape == target_shape for x in notes)
+        q, a = QUESTIONS[task].format(shape=target_shape), str(a)
+    return _Plan(task, tuple(notes), q, a)
+
+
+# ----------------------------------------------------------------------------- drawing
+
+
+@functools.lru_cache(maxsize=None)
+def _font(size: int) -> ImageFont.FreeTypeFont:
+    font = ImageFont.load_default(size=size)
+    if not isinstance(font, ImageFont.FreeTypeFont):  # Pillow < 10.1 or built without FreeType
+        raise RuntimeError("notes_data needs Pillow >= 10.1 with FreeType (ImageFont.load_default(size=...))")
+    return font
+
+
+def _shade(rng: random.Random, rgb, spread: int) -> tuple[int, int, int]:
+    return tuple(min(255, max(0, c + rng.randint(-spread, spread))) for c in rgb)
+
+
+def _paper(rng: random.Random) -> tuple[int, int, int]:
+    v = rng.randint(244, 255)
+    return _shade(rng, (v, v, v), 3)
+
+
+def _ink(rng: random.Random) -> tuple[int, int, int]:
+    v = rng.randint(0, 45)
+    return (v, v, min(255, v + rng.randint(0, 20)))
+
+
+def _text(draw: ImageDraw.ImageDraw, xy, text: str, font, fill, anchor: str) -> None:
+    """Draw `text` with its ink box (not the font's line box) placed by `anchor` at xy.
+
+    anchor: two letters, horizontal l|m|r then vertical t|m|b."""
+    x0, y0, x1, y1 = font.getbbox(text)
+    x, y = xy
+    x -= {"l": x0, "m": (x0 + x1) / 2, "r": x1}[anchor[0]]
+    y -= {"t": y0, "m": (y0 + y1) / 2, "b": y1}[anchor[1]]
+    draw.text((round(x), round(y)), text, font=font, fill=fill)
+
+
+def _draw_price_tag(note: _Note, rng: random.Random, img: Image.Image) -> None:
+    W, H = img.size
+    s = min(W, H) / 128
+    draw = ImageDraw.Draw(img)
+    ink = _ink(rng)
+    cx, cy = W / 2 + rng.uniform(-2, 2) * s, H / 2 + rng.uniform(-4, 4) * s
+    half_w, half_h = (59 + rng.uniform(-1.5, 1.5)) * s, (36 + rng.uniform(-3, 3)) * s
+    notch = 11 * s
+    x0, x1, y0, y1 = cx - half_w, cx + half_w, cy - half_h, cy + half_h
+    tag = [(x0, cy), (x0 + notch, y0), (x1, y0), (x1, y1), (x0 + notch, y1)]
+    tint = _shade(rng, rng.choice([(255, 248, 215), (235, 245, 255), (255, 235, 235), (250, 250, 250)]), 5)
+    line = max(2, round(3 * s))
+    draw.polygon(tag, fill=tint, outline=ink, width=line)
+    r = 3 * s
+    hx = x0 + notch * 0.9
+    draw.ellipse((hx - r, cy - r, hx + r, cy + r), outline=ink, width=max(1, round(2 * s)))
+    # "$" small and raised, then the digits as large as fit between the hole and the right edge.
+    text, gap = str(note.price), 2 * s
+    dollar = _font(round(rng.randint(28, 32) * s))
+    sw = _ink_width(dollar, "$")
+    avail = (x1 - line - 3 * s) - (hx + r + 3 * s)
+    size = round(rng.randint(60, 64) * s)
+    while size > 8 and sw + gap + _ink_width(_font(size), text) > avail:
+        size -= 1
+    digits = _font(size)
+    dw = _ink_width(digits, text)
+    left = (hx + r + 3 * s + x1 - line - 3 * s) / 2 - (sw + gap + dw) / 2
+    _text(draw, (left + sw + gap, cy), text, digits, ink, "lm")
+    bbox = digits.getbbox(text)
+    _text(draw, (left, cy - (bbox[3] - bbox[1]) / 2), "$", dollar, ink, "lt")
+
+
+def _ink_width(font, text: str) -> float:
+    x0, _, x1, _ = font.getbbox(text)
+    return x1 - x0
+
+
+def _draw_receipt(note: _Note, rng: random.Random, img: Image.Image) -> None:
+    W, H = img.size
+    s = min(W, H) / 128
+    draw = ImageDraw.Draw(img)
+    ink = _ink(rng)
+    font = _font(round(rng.randint(21, 23) * s))
+    rows = len(note.items) + 1
+    mx = (8 + rng.uniform(-2, 3)) * s
+    step = min(28 * s, (H - 18 * s) / (rows + 0.4))
+    top = (H - step * (rows + 0.4)) / 2 + rng.uniform(-2, 2) * s
+    draw.rectangle((2 * s, 2 * s, W - 3 * s, H - 3 * s), outline=_shade(rng, (200, 200, 200), 10))
+    y = top
+    for label, value in note.items:
+        _text(draw, (mx, y + step / 2), label, font, ink, "lm")
+        _text(draw, (W - mx, y + step / 2), f"{value:02d}", font, ink, "rm")
+        y += step
+    sep = y + step * 0.2
+    for x in range(round(mx), round(W - mx), max(2, round(6 * s))):  # dashed separator
+        draw.line((x, sep, x + 3 * s, sep), fill=ink, width=max(1, round(2 * s)))
+    y += step * 0.4
+    _text(draw, (mx, y + step / 2), "TOTAL", font, ink, "lm")
+    _text(draw, (W - mx, y + step / 2), f"{note.total:02d}", font, ink, "rm")
+
+
+def _draw_table(note: _Note, rng: random.Random, img: Image.Image) -> None:
+    W, H = img.size
+    s = min(W, H) / 128
+    draw = ImageDraw.Draw(img)
+    ink = _ink(rng)
+    m = (10 + rng.uniform(-3, 3)) * s
+    x0, y0, x1, y1 = m, m + rng.uniform(-2, 2) * s, W - m, H - m + rng.uniform(-2, 2) * s
+    width = max(2, round(3 * s))
+    draw.rectangle((x0, y0, x1, y1), outline=ink, width=width)
+    xm, ym = (x0 + x1) / 2, (y0 + y1) / 2
+    draw.line((xm, y0, xm, y1), fill=ink, width=width)
+    draw.line((x0, ym, x1, ym), fill=ink, width=width)
+    font = _font(round(rng.randint(40, 46) * s))
+    for k, v in enumerate(note.cells):
+        cx = (x0 + xm) / 2 if k % 2 == 0 else (xm + x1) / 2
+        cy = (y0 + ym) / 2 if k < 2 else (ym + y1) / 2
+        _text(draw, (cx, cy), str(v), font, ink, "mm")
+
+
+def _draw_shape(note: _Note, rng: random.Random, img: Image.Image) -> None:
+    W, H = img.size
+    draw = ImageDraw.Draw(img)
+    size = min(W, H) * rng.uniform(0.5, 0.75)
+    x0 = rng.uniform(0.08 * W, W - 0.08 * W - size)
+    y0 = rng.uniform(0.08 * H, H - 0.08 * H - size)
+    box = (x0, y0, x0 + size, y0 + size)
+    fill = _shade(rng, COLOURS[note.colour], 15)
+    if note.shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif note.shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(x0 + size / 2, y0), (x0 + size, y0 + size), (x0, y0 + size)], fill=fill)
+
+
+def _render(note: _Note, rng: random.Random) -> Image.Image:
+    if note.type == "solid":
+        return Image.new("RGB", IMAGE_SIZE, _shade(rng, COLOURS[note.colour], 15))
+    img = Image.new("RGB", IMAGE_SIZE, _paper(rng))
+    {"price_tag": _draw_price_tag, "receipt": _draw_receipt, "table": _draw_table,
+     "shape": _draw_shape}[note.type](note, rng, img)
+    return img
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def make_example(seed: int) -> Example:
+    """The example for `seed`: task drawn uniformly from TASKS, then facts, then pixels (one RNG)."""
+    rng = random.Random(seed)
+    plan = _plan(rng)
+    images = tuple(_render(note, rng) for note in plan.notes)
+    return Example(images, tuple(n.kind for n in plan.notes), plan.question, plan.answer, plan.task, seed)
+
+
+def split_seed(split: str, index: int) -> int:
+    """Seed of example `index` of a split; splits interleave (3*index + 0|1|2) and never overlap."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    return 3 * index + SPLITS.index(split)
+
+
+def examples(split: str, n: int, start: int = 0) -> list[Example]:
+    return [make_example(split_seed(split, start + k)) for k in range(n)]
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    """Lossless PNG encoding (what clients send to the server)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+_TOKEN = re.compile(r"[a-z]+|[0-9]+|[^\sa-z0-9]")
+
+
+def tokenize(text: str) -> list[str]:
+    """Split a question or answer into vocabulary() tokens: words, whole numbers, punctuation."""
+    return _TOKEN.findall(text)
+
+
+def vocabulary() -> list[str]:
+    """Every token that can appear in questions and answers, sorted (numbers 0..99 as whole tokens)."""
+    words = set(COLOURS) | set(SHAPES) | {str(v) for v in range(100)}
+    for template in QUESTIONS.values():
+        words.update(tokenize(re.sub(r"\{\w+\}", " ", template)))
+    return sorted(words)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--split", default="test", choices=SPLITS)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "examples.jsonl", "w") as f:
+        for ex in examples(args.split, args.n, args.start):
+            names = []
+            for k, img in enumerate(ex.images, start=1):
+                names.append(f"{ex.seed}_{k}.png")
+                (args.out / names[-1]).write_bytes(png_bytes(img))
+            f.write(json.dumps({"seed": ex.seed, "split": args.split, "task": ex.task, "question": ex.question,
+                                "answer": ex.answer, "kinds": list(ex.kinds), "images": names}) + "\n")
+    print(f"wrote {args.n} examples to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

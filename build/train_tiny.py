@@ -1,0 +1,217 @@
+"""Train a small Qwen3-VL-MoE from scratch on the synthetic multi-image note QA task.
+
+    python -m zipmoe.build.train_tiny --out checkpoints/notes [--minutes 15] [--steps 4000] [--batch 64]
+
+The same model class as production (`Qwen3VLMoeForConditionalGeneration`: MoE text decoder with
+16 experts, top-4; vision tower with DeepStack), a byte-level BPE learned on the task's own text,
+and exactly the inputs the server builds: the checkpoint's chat template with one placeholder per
+image, each expanded to the image's merged visual tokens, images normalised and patchified as the
+vision encoder does (`zipmoe.vision.patchify`). The loss is on the answer tokens and the closing
+<|im_end|>, plus the router's load-balancing loss. Examples are drawn by seed from the train split
+(`build/notes_data.py`), never repeating, by DataLoader workers.
+
+Writes a Hugging Face checkpoint (bf16) with tokenizer, image processor config, `train_log.json`
+(seed, steps, minutes, losses, validation exact match) and the SERE calibration file.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+from transformers import Qwen3VLMoeForConditionalGeneration
+
+from zipmoe.build import notes_data
+from zipmoe.build.sere_calibrate import calibrate
+from zipmoe.build.tiny_checkpoint import build_tokenizer, model_config, save_model
+from zipmoe.prompt import ChatPrompt
+from zipmoe.vision import patchify
+
+TOKENIZER_VOCAB = 512
+# ~10 M parameters (about 20 MB in bf16): text 256 wide, 4 MoE layers of 16 experts (top-4);
+# vision tower 6 layers of 128 with DeepStack from layers 2 and 4.
+SIZES = {
+    "notes": (dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, intermediate_size=512,
+                   router_aux_loss_coef=0.01,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 8, 8],
+                                    "mrope_interleaved": True}),
+              dict(depth=6, hidden_size=128, num_heads=4, intermediate_size=256, out_hidden_size=256,
+                   deepstack_visual_indexes=[2, 4])),
+    "smoke": ({}, {}),  # the tiny checkpoint's shape: for tests on a CPU
+}
+
+
+def tokenizer_corpus(n: int = 3000) -> list[str]:
+    """The task's own text: every word it can use, and rendered questions and answers."""
+    texts = [" ".join(notes_data.vocabulary())]
+    for ex in notes_data.examples("train", n):
+        texts.append(f"{ex.question}\n{ex.answer}")
+    return texts + ["user\nassistant\n"]
+
+
+class NotesDataset(Dataset):
+    """Example i of a split as model inputs: ids, labels (answer only), pixels, grids."""
+
+    def __init__(self, checkpoint: Path, split: str, length: int, start: int = 0):
+        self.checkpoint, self.split, self.length, self.start = checkpoint, split, length, start
+        self.prompt: ChatPrompt | None = None  # built in the worker: tokenizers are not shared across processes
+        cfg = json.loads((checkpoint / "config.json").read_text())
+        vision = cfg["vision_config"]
+        self.patch, self.merge, self.temporal = vision["patch_size"], vision["spatial_merge_size"], vision["temporal_patch_size"]
+        self.image_token = cfg["image_token_id"]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if self.prompt is None:
+            self.prompt = ChatPrompt(self.checkpoint)
+        ex = notes_data.make_example(notes_data.split_seed(self.split, self.start + i))
+        ids, pixels, grids = [], [], []
+        tokens_per_image = []
+        for image in ex.images:
+            x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255.0
+            x = (x - 0.5) / 0.5  # the image processor's mean and std
+            pixels.append(patchify(x, self.patch, self.merge, self.temporal))
+            gh, gw = x.shape[1] // self.patch, x.shape[2] // self.patch
+            grids.append([1, gh, gw])
+            tokens_per_image.append(gh * gw // self.merge ** 2)
+        counts = iter(tokens_per_image)
+        for t in self.prompt.encode(ex.question, len(ex.images)):
+            ids.extend([t] * next(counts) if t == self.image_token else [t])
+        answer = self.prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
+        return {"ids": torch.tensor(ids + answer), "labels": torch.tensor([-100] * len(ids) + answer),
+                "pixels": torch.cat(pixels), "grids": torch.tensor(grids)}
+
+
+def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
+    n = max(len(b["ids"]) for b in batch)
+    ids = torch.full((len(batch), n), pad_id)
+    labels = torch.full((len(batch), n), -100)
+    mask = torch.zeros(len(batch), n, dtype=torch.long)
+    for i, b in enumerate(batch):
+        ids[i, :len(b["ids"])] = b["ids"]
+        labels[i, :len(b["labels"])] = b["labels"]
+        mask[i, :len(b["ids"])] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
+            "mm_token_type_ids": (ids == image_token).long(),
+            "pixel_values": torch.cat([b["pixels"] for b in batch]),
+            "image_grid_thw": torch.cat([b["grids"] for b in batch])}
+
+
+def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per example: every answer token predicted (teacher forcing) -> bool [B]."""
+    pred = logits[:, :-1].argmax(-1)
+    target = labels[:, 1:]
+    return ((pred == target) | (target == -100)).all(dim=1)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@torch.no_grad()
+def validate(model, loader, device) -> tuple[float, float]:
+    model.eval()
+    losses, hits, n = [], 0, 0
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = model(**batch)
+        losses.append(float(out.loss))
+        hits += int(answer_exact_match(out.logits, batch["labels"]).sum())
+        n += batch["labels"].shape[0]
+    model.train()
+    return sum(losses) / len(losses), hits / n
+
+
+def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 64, minutes: float = 15.0,
+          lr: float = 2e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
+          val_examples: int = 512, calibrate_sere: bool = True) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(seed)
+    tok = build_tokenizer(out, tokenizer_corpus(), TOKENIZER_VOCAB)
+    text, vision = SIZES[size]
+    config = model_config(tok, text=text, vision=vision)
+    model = Qwen3VLMoeForConditionalGeneration(config).to(dev)
+    save_model(model, out)  # config and processor files first: the dataset reads them
+    model = model.float().to(dev)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {params / 1e6:.1f} M parameters, training on {dev}")
+
+    pad, image_token = config.text_config.pad_token_id, config.image_token_id
+    workers = workers if workers is not None else (min(12, torch.get_num_threads()) if dev.type == "cuda" else 0)
+    loader_args = dict(batch_size=batch, num_workers=workers, collate_fn=functools.partial(collate, pad_id=pad, image_token=image_token),
+                       persistent_workers=workers > 0)
+    train_loader = DataLoader(NotesDataset(out, "train", steps * batch), shuffle=False, **loader_args)
+    val_loader = DataLoader(NotesDataset(out, "validation", val_examples), **loader_args)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+    log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr, "losses": []}
+    start = time.monotonic()
+    model.train()
+    bar = tqdm(train_loader, total=steps, desc="train")
+    step = 0
+    for step, data in enumerate(bar):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10 + 1))
+        data = {k: v.to(dev, non_blocking=True) for k, v in data.items()}
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = model(**data, output_router_logits=True).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0:
+            log["losses"].append([step, round(loss.item(), 4)])
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if time.monotonic() - start > minutes * 60:
+            print(f"time budget of {minutes} min reached at step {step}")
+            break
+    log["steps"] = step + 1
+    log["minutes"] = round((time.monotonic() - start) / 60, 2)
+    log["final_loss"] = round(loss.item(), 4)
+    log["val_loss"], log["val_exact_match"] = validate(model, val_loader, dev)
+    print(f"{out}: {log['steps']} steps in {log['minutes']} min, final loss {log['final_loss']}, "
+          f"validation loss {log['val_loss']:.4f}, teacher-forced exact match {log['val_exact_match']:.3f}")
+    save_model(model.cpu(), out)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    if calibrate_sere:
+        prompts = out / "calibration_prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"text": ex.question}) + "\n"
+                                   for ex in notes_data.examples("validation", 64)))
+        calibrate(out, prompts_file=prompts, device=str(dev))
+    return log
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--size", choices=sorted(SIZES), default="notes")
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--minutes", type=float, default=15.0, help="stop early when this much time has passed")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--workers", type=int, default=None)
+    args = p.parse_args(argv)
+    train(args.out, args.size, args.steps, args.batch, args.minutes, args.lr, args.seed, args.device, args.workers)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The training script end to end on a CPU, at the tiny checkpoint's size: it writes a checkpoint
+the engine and the vision encoder load, with inputs built exactly as the server builds them."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from zipmoe.build import notes_data
+from zipmoe.build.train_tiny import NotesDataset, answer_exact_match, collate, train
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.prompt import ChatPrompt
+
+
+def test_train_smoke_writes_a_servable_checkpoint(tmp_path):
+    log = train(tmp_path, size="smoke", steps=3, batch=2, minutes=5, device="cpu", workers=0, val_examples=2,
+                calibrate_sere=False)
+    assert log["steps"] == 3 and torch.isfinite(torch.tensor(log["final_loss"]))
+    assert 0.0 <= log["val_exact_match"] <= 1.0
+    assert json.loads((tmp_path / "train_log.json").read_text())["seed"] == 0
+    engine = LLMEngine(tmp_path, EngineConfig(num_kv_blocks=16, max_model_len=256))
+    assert engine.text.num_experts == 16 and engine.text.top_k == 4
+
+
+def test_dataset_matches_the_server_prompt(tmp_path):
+    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    item = NotesDataset(tmp_path, "validation", 1)[0]
+    ex = notes_data.make_example(notes_data.split_seed("validation", 0))
+    prompt = ChatPrompt(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    image_token = cfg["image_token_id"]
+    server_ids = prompt.encode(ex.question, len(ex.images))
+    ids = item["ids"].tolist()
+    # The server's prompt with each image placeholder expanded to 16 merged tokens (128 x 128 pixels) ...
+    expanded = [t for s in server_ids for t in ([s] * 16 if s == image_token else [s])]
+    assert ids[:len(expanded)] == expanded
+    # ... then the answer and <|im_end|>, the only labelled tokens.
+    answer = prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
+    assert ids[len(expanded):] == answer
+    assert [t for t in item["labels"].tolist() if t != -100] == answer
+    assert item["pixels"].shape == (len(ex.images) * 64, 3 * 2 * 16 * 16)
+    batch = collate([item, item], pad_id=0, image_token=image_token)
+    assert batch["mm_token_type_ids"].sum() == 2 * 16 * len(ex.images)
+
+
+def test_answer_exact_match_needs_every_answer_token():
+    labels = torch.tensor([[-100, -100, 5, 6], [-100, -100, 5, 6]])
+    logits = torch.zeros(2, 4, 10)
+    logits[0, 1, 5] = logits[0, 2, 6] = 1  # both answer tokens right
+    logits[1, 1, 5] = logits[1, 2, 7] = 1  # the second one wrong
+    assert answer_exact_match(logits, labels).tolist() == [True, False]
