@@ -68,20 +68,25 @@ def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs
         tensors.append(t)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
+    finished = False
     try:
         client.async_stream_infer(model, tensors, enable_empty_final_response=True)
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
+                finished = True  # the server ended the request itself
                 raise ServerError(str(error))
             response = result.get_response()
             final = response.parameters.get("triton_final_response")
             if response.outputs:
                 yield _decode({o.name: result.as_numpy(o.name) for o in response.outputs})
             if final is not None and final.bool_param:
+                finished = True
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only a request still running (the caller stopped reading): cancelling one that has
+        # already finished can leave the ensemble's bookkeeping stuck at server shutdown (2.51).
+        client.stop_stream(cancel_requests=not finished)
         client.close()
 
 

@@ -1,4 +1,4 @@
-"""`zipmoe` command line: serve, ask, demo, calibrate."""
+"""`zipmoe` command line: serve, ask, demo, calibrate, eval."""
 from __future__ import annotations
 
 import argparse
@@ -143,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo, max_tokens=48)
 
     sub.add_parser("calibrate", help="SERE calibration: write sere.safetensors beside a checkpoint (--help)")
+
+    from zipmoe.clients import eval_quality
+
+    p = sub.add_parser("eval", help="exact-match accuracy per keep ratio and decode routing (starts servers)")
+    eval_quality.add_arguments(p)
+    p.set_defaults(func=eval_quality.run)
 
     args = parser.parse_args(argv)
     if args.command == "ask" and args.url is None:

@@ -1,0 +1,420 @@
+"""Exact-match accuracy of mm_qa on a notes_data split, per VisionZip keep ratio and decode routing.
+
+    zipmoe eval [--checkpoint DIR] [--split test] [--n 200] [--concurrency 16] [--max-tokens 8]
+                [--settings full|quick] [--out docs/results/quality]
+    python -m zipmoe.clients.eval_quality ...      (the same arguments)
+
+Two sweeps through the real server, greedy decoding:
+  (a) keep ratio 1.0, 0.7, 0.6, 0.5, 0.3 with routing topk;
+  (b) at keep 1.0: truncate to the first 2 experts ("top2"), sere for K' in {1, 2} x rho in
+      {0.0, 0.3, 0.5} x protect on/off, oea (k0 = 2); topk at keep 1.0 is shared with (a).
+`quick` runs topk at keep 1.0 and 0.5, top2 and sere K'=2 rho=0.5 protect on (a smoke test).
+One tritonserver per routing configuration; all examples of a setting go with --concurrency requests
+in flight, so decode batches are real. A request that fails counts as wrong and is reported.
+
+Writes OUT.json (after every server, so a long run keeps what it measured), OUT.png when matplotlib
+is importable (the `bench` extra), and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zipmoe import serve
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "checkpoints" / "tiny"
+DEFAULT_OUT = REPO / "docs" / "results" / "quality"
+KINDS = ("dense", "plain")
+KEEP_RATIOS = (1.0, 0.7, 0.6, 0.5, 0.3)
+SERE_PRIMARY_K = (1, 2)
+SERE_RHO = (0.0, 0.3, 0.5)
+SERE_PROTECT = (True, False)
+HEADLINE_KEEP = 0.6  # top-level tokens_kept is reported at this keep ratio when it ran
+
+
+# ---------------------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class Routing:
+    """A decode routing configuration of moe_decoder: one server each."""
+    name: str  # as reported: topk | top2 | sere | oea
+    policy: str  # moe_decoder's routing_policy
+    params: tuple[tuple[str, str], ...] = ()  # further moe_decoder parameters
+    primary_k: int | None = None
+    rho: float | None = None
+    protect: bool | None = None
+
+    @property
+    def overrides(self) -> dict[str, dict[str, str]]:
+        return {"moe_decoder": {"routing_policy": self.policy, **dict(self.params)}}
+
+    @property
+    def fields(self) -> dict:
+        """The row fields naming this routing."""
+        return {"routing": self.name, "primary_k": self.primary_k, "rho": self.rho, "protect": self.protect}
+
+    @property
+    def slug(self) -> str:
+        """A file-name-safe name: server-<slug>.log."""
+        if self.name != "sere":
+            return self.name
+        return f"sere-k{self.primary_k}-rho{self.rho}-{'protect' if self.protect else 'noprotect'}"
+
+
+TOPK = Routing("topk", "topk")
+TOP2 = Routing("top2", "truncate", (("truncate_k", "2"),), primary_k=2)
+OEA = Routing("oea", "oea", (("oea_k0", "2"),), primary_k=2)
+
+
+def sere(primary_k: int, rho: float, protect: bool) -> Routing:
+    return Routing("sere", "sere", (("sere_primary_k", str(primary_k)), ("sere_threshold", str(rho)),
+                                    ("sere_protect", "true" if protect else "false")), primary_k, rho, protect)
+
+
+def plan(settings: str) -> list[tuple[Routing, tuple[float, ...]]]:
+    """(routing, keep ratios run on its server) in run order; topk at keep 1.0 serves both sweeps."""
+    if settings == "quick":
+        return [(TOPK, (1.0, 0.5)), (TOP2, (1.0,)), (sere(2, 0.5, True), (1.0,))]
+    if settings == "full":
+        return ([(TOPK, KEEP_RATIOS), (TOP2, (1.0,))]
+                + [(sere(k, rho, p), (1.0,)) for k in SERE_PRIMARY_K for rho in SERE_RHO for p in SERE_PROTECT]
+                + [(OEA, (1.0,))])
+    raise ValueError(f"settings must be full or quick, got {settings!r}")
+
+
+# ------------------------------------------------------------------------------------------ scoring
+
+def normalize(text: str) -> str:
+    """Strip, lower case, drop one trailing period (ASCII or ideographic), strip again."""
+    text = text.strip().lower()
+    if text.endswith((".", "。")):
+        text = text[:-1].rstrip()
+    return text
+
+
+def exact_match(prediction: str, answer: str) -> bool:
+    return normalize(prediction) == normalize(answer)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One example as sent: encoded images, kinds per image, question, reference answer, task."""
+    question: str
+    answer: str
+    task: str
+    kinds: tuple[str, ...] = ()
+    images: tuple[bytes, ...] = ()
+
+
+@dataclass
+class Answer:
+    text: str | None = None  # None: the request failed
+    correct: bool = False
+    kept: list[int] = field(default_factory=list)  # visual_tokens_kept, one per image
+    error: str | None = None
+
+
+def load_items(split: str, n: int, start: int = 0) -> list[Item]:
+    from zipmoe.build import notes_data
+
+    return [Item(ex.question, ex.answer, ex.task, tuple(ex.kinds), tuple(notes_data.png_bytes(im) for im in ex.images))
+            for ex in notes_data.examples(split, n, start)]
+
+
+def ask(url: str, item: Item, keep_ratio: float, max_tokens: int, model: str = "mm_qa",
+        timeout: float = 600) -> Answer:
+    """One greedy, non-streamed request; any failure comes back as Answer.error, never raised."""
+    from zipmoe.clients.triton_client import grpc_generate
+
+    inputs = dict(text_input=item.question, visual_keep_ratio=keep_ratio, max_tokens=max_tokens,
+                  temperature=0.0, stream=False)
+    if item.images:
+        inputs["images"] = list(item.images)
+    text, kept = "", []
+    try:
+        for r in grpc_generate(url, model=model, timeout=timeout, **inputs):
+            text += r.get("text_output") or ""
+            kept = r.get("visual_tokens_kept") or kept
+    except Exception as e:  # noqa: BLE001 -- a failed request is a wrong answer, reported with its error
+        return Answer(error=f"{type(e).__name__}: {e}".strip())
+    return Answer(text, exact_match(text, item.answer), list(kept))
+
+
+def run_setting(url: str, items: list[Item], keep_ratio: float, concurrency: int = 16, max_tokens: int = 8,
+                model: str = "mm_qa") -> tuple[list[Answer], float]:
+    """Every item at one keep ratio on a running server, `concurrency` requests in flight.
+    Returns the answers in item order and the wall time in seconds."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        answers = list(pool.map(lambda item: ask(url, item, keep_ratio, max_tokens, model), items))
+    return answers, time.perf_counter() - start
+
+
+def accuracy(items: list[Item], answers: list[Answer]) -> tuple[float, dict[str, float]]:
+    """Overall and per-task exact-match accuracy (failed requests are wrong)."""
+    if not items:
+        return 0.0, {}
+    by_task: dict[str, list[int]] = {}
+    for item, a in zip(items, answers, strict=True):
+        counts = by_task.setdefault(item.task, [0, 0])
+        counts[0] += a.correct
+        counts[1] += 1
+    overall = sum(a.correct for a in answers) / len(items)
+    return overall, {task: right / total for task, (right, total) in sorted(by_task.items())}
+
+
+class TokenTally:
+    """Mean visual_tokens_kept per image, by image kind, per keep ratio (successful requests whose
+    counts match their images)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[float, dict[str, list[float]]] = {}
+
+    def add(self, keep_ratio: float, items: list[Item], answers: list[Answer]) -> None:
+        kinds = self.sums.setdefault(float(keep_ratio), {k: [0.0, 0] for k in KINDS})
+        for item, a in zip(items, answers, strict=True):
+            if a.error is not None or len(a.kept) != len(item.kinds):
+                continue
+            for kind, n in zip(item.kinds, a.kept):
+                s = kinds.setdefault(kind, [0.0, 0])
+                s[0] += n
+                s[1] += 1
+
+    def means(self, keep_ratio: float) -> dict[str, float | None]:
+        return {kind: (total / count if count else None)
+                for kind, (total, count) in self.sums[float(keep_ratio)].items()}
+
+    def by_keep(self) -> dict[str, dict[str, float | None]]:
+        return {keep_key(k): self.means(k) for k in sorted(self.sums, reverse=True)}
+
+    def headline(self) -> dict[str, float | None]:
+        """At HEADLINE_KEEP when it ran, else at the smallest keep ratio run."""
+        if not self.sums:
+            return {kind: None for kind in KINDS}
+        return self.means(HEADLINE_KEEP if HEADLINE_KEEP in self.sums else min(self.sums))
+
+
+def keep_key(keep_ratio: float) -> str:
+    return repr(float(keep_ratio))  # 1.0 -> "1.0", 0.6 -> "0.6"
+
+
+def make_row(routing: Routing, keep_ratio: float, items: list[Item], answers: list[Answer],
+             seconds: float) -> dict:
+    acc, by_task = accuracy(items, answers)
+    errors = [a.error for a in answers if a.error is not None]
+    return {"keep_ratio": float(keep_ratio), **routing.fields, "accuracy": acc, "by_task": by_task,
+            "seconds": round(seconds, 3), "failed": len(errors), "first_error": errors[0] if errors else None}
+
+
+def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: TokenTally) -> dict:
+    return {"split": split, "n": n, "checkpoint": checkpoint, "rows": rows, "tokens_kept": tally.headline(),
+            "tokens_kept_by_keep": tally.by_keep()}
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def row_label(row: dict) -> str:
+    if row["routing"] == "sere":
+        return f"sere K'={row['primary_k']} ρ={row['rho']:g} {'+P' if row['protect'] else '-P'}"
+    if row["routing"] == "oea":
+        return f"oea k0={row['primary_k']}"
+    return row["routing"]
+
+
+def table(result: dict) -> str:
+    def fmt(v, spec=""):
+        return "-" if v is None else format(v, spec)
+
+    head = ("keep", "routing", "K'", "rho", "protect", "accuracy", "failed", "seconds")
+    lines = [f"{result['checkpoint']}, split {result['split']}, n={result['n']}",
+             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>6} {:>8}  by task".format(*head)]
+    for r in result["rows"]:
+        tasks = " ".join(f"{t}={v:.2f}" for t, v in r["by_task"].items())
+        protect = None if r["protect"] is None else ("on" if r["protect"] else "off")
+        lines.append(f"{r['keep_ratio']:>5.2f} {r['routing']:<8} {fmt(r['primary_k']):>3} {fmt(r['rho'], 'g'):>4} "
+                     f"{fmt(protect):>7} {r['accuracy']:>8.3f} {r['failed']:>6} {r['seconds']:>8.1f}  {tasks}")
+    lines.append("visual tokens kept per image (mean): " + "; ".join(
+        f"keep {k}: " + ", ".join(f"{kind} {fmt(v, '.1f')}" for kind, v in kinds.items())
+        for k, kinds in result["tokens_kept_by_keep"].items()))
+    for r in result["rows"]:
+        if r["failed"]:
+            lines.append(f"keep {r['keep_ratio']} {row_label(r)}: {r['failed']} requests failed, first: "
+                         f"{r['first_error']}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Bar charts of accuracy: (a) keep ratios at topk, (b) routings at keep 1.0. False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keep_rows = sorted((r for r in result["rows"] if r["routing"] == "topk"), key=lambda r: -r["keep_ratio"])
+    routing_rows = [r for r in result["rows"] if r["keep_ratio"] == 1.0]
+    panels = [(keep_rows, [f"{r['keep_ratio']:.1f}" for r in keep_rows], "(a) VisionZip keep ratio, routing topk",
+               "keep ratio"),
+              (routing_rows, [row_label(r) for r in routing_rows], "(b) decode routing, keep 1.0", "routing")]
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 0.55 * len(result["rows"]), 4.8), squeeze=False,
+                             gridspec_kw={"width_ratios": [max(1, len(keep_rows)), max(1, len(routing_rows))]})
+    for ax, (rows, labels, title, xlabel) in zip(axes[0], panels):
+        bars = ax.bar(range(len(rows)), [r["accuracy"] for r in rows],
+                      color=["tab:blue" if r["routing"] == "topk" else "tab:orange" for r in rows])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(rows)), labels, rotation=0 if xlabel == "keep ratio" else 45,
+                      ha="center" if xlabel == "keep ratio" else "right", fontsize=8)
+        ax.set_ylim(0, 1.05)
+        if not rows:
+            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("exact-match accuracy")
+    fig.suptitle(f"{result['checkpoint']}: {result['split']} split, n={result['n']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------ running
+
+def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
+    """The given directory; the tiny one (built when needed) by default."""
+    from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
+
+    path = TINY if checkpoint is None else Path(checkpoint).expanduser()
+    if path.resolve() == TINY.resolve():
+        return build_tiny_checkpoint(TINY)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+    return path
+
+
+def ensure_sere(checkpoint: Path) -> None:
+    """sere.safetensors beside the checkpoint, calibrated now when missing or stale."""
+    from zipmoe.sere_file import load_sere
+
+    try:
+        load_sere(checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        import torch
+
+        from zipmoe.build.sere_calibrate import calibrate
+
+        cuda = torch.cuda.is_available()
+        print(f"{e}; calibrating", flush=True)
+        calibrate(checkpoint, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path.resolve())
+
+
+def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int = 200, concurrency: int = 16,
+             max_tokens: int = 8, settings: str | list[tuple[Routing, tuple[float, ...]]] = "full",
+             out: str | Path | None = DEFAULT_OUT,
+             log_dir: str | Path | None = None, items: list[Item] | None = None,
+             repository: str | Path = serve.DEFAULT_REPOSITORY, ready_timeout: float = 1800) -> dict:
+    """Runs the plan (one server per routing), writes OUT.json / OUT.png when `out` is given, prints
+    a table; returns the result dict. `settings`: full | quick, or the plan itself, [(routing, keep
+    ratios)]; `items` replaces the split's examples."""
+    steps = plan(settings) if isinstance(settings, str) else list(settings)
+    checkpoint = resolve_checkpoint(checkpoint)
+    if items is None:
+        items = load_items(split, n)
+    if any(r.policy == "sere" for r, _ in steps):
+        ensure_sere(checkpoint)
+    log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="zipmoe-eval-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if out is not None:
+        out = Path(out)
+        out = out.with_suffix("") if out.suffix in (".json", ".png") else out
+    json_path = None if out is None else out.with_name(out.name + ".json")
+    print(f"{len(items)} examples of {split}, {sum(len(k) for _, k in steps)} settings on {len(steps)} servers; "
+          f"server logs in {log_dir}", flush=True)
+
+    rows: list[dict] = []
+    tally = TokenTally()
+    for routing, keeps in steps:
+        log = log_dir / f"server-{routing.slug}.log"
+        ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+        try:
+            with serve.TritonServer(repository, checkpoint=str(checkpoint), log_path=log,
+                                    overrides=routing.overrides, **ports) as server:
+                server.wait_ready(timeout=ready_timeout)
+                for keep in keeps:
+                    answers, seconds = run_setting(server.url_grpc, items, keep, concurrency, max_tokens)
+                    row = make_row(routing, keep, items, answers, seconds)
+                    tally.add(keep, items, answers)
+                    rows.append(row)
+                    print(f"keep {keep_key(keep)} {row_label(row)}: accuracy {row['accuracy']:.3f} ({seconds:.1f} s)"
+                          + (f", {row['failed']} failed: {row['first_error']} (server log: {log})"
+                             if row["failed"] else ""), flush=True)
+        except BaseException:
+            print(f"stopped at routing {row_label(routing.fields)}; server log: {log}", file=sys.stderr, flush=True)
+            raise
+        result = result_json(split, len(items), _display(checkpoint), rows, tally)
+        if json_path is not None:
+            _write_json(result, json_path)  # what was measured survives a later failure
+
+    result = result_json(split, len(items), _display(checkpoint), rows, tally)
+    print(table(result))
+    if out is not None:
+        print(f"wrote {json_path}")
+        png = out.with_name(out.name + ".png")
+        if plot(result, png):
+            print(f"wrote {png}")
+        else:
+            print("matplotlib not importable (pip install zipmoe[bench]): no plot")
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: checkpoints/tiny, built)")
+    p.add_argument("--split", default="test", help="notes_data split (default: test)")
+    p.add_argument("--n", type=int, default=200, help="examples (default: 200)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per answer (default: 8)")
+    sizes = {s: f"{sum(len(k) for _, k in plan(s))} settings on {len(plan(s))} servers" for s in ("full", "quick")}
+    p.add_argument("--settings", choices=("full", "quick"), default="full",
+                   help=f"full: both sweeps ({sizes['full']}); quick: a smoke test ({sizes['quick']})")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="writes OUT.json and OUT.png (default: docs/results/quality)")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary folder)")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_eval(args.checkpoint, args.split, args.n, args.concurrency, args.max_tokens, args.settings, args.out,
+             args.log_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zipmoe.clients.eval_quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

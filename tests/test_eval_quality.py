@@ -1,0 +1,189 @@
+"""`zipmoe eval`: scoring and aggregation, the settings plan, the CLI, and runs against a real server."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from zipmoe import cli, serve
+from zipmoe.clients import eval_quality as eq
+from zipmoe.clients.eval_quality import Answer, Item
+
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+ROW_KEYS = {"keep_ratio", "routing", "primary_k", "rho", "protect", "accuracy", "by_task", "seconds", "failed",
+            "first_error"}
+
+
+def check_schema(result: dict, n: int) -> None:
+    assert set(result) == {"split", "n", "checkpoint", "rows", "tokens_kept", "tokens_kept_by_keep"}
+    assert result["n"] == n and isinstance(result["split"], str) and isinstance(result["checkpoint"], str)
+    for row in result["rows"]:
+        assert set(row) == ROW_KEYS
+        assert 0.0 <= row["accuracy"] <= 1.0 and all(0.0 <= v <= 1.0 for v in row["by_task"].values())
+        assert row["seconds"] >= 0 and row["failed"] == 0 and row["first_error"] is None
+    assert set(result["tokens_kept"]) >= {"dense", "plain"}
+    keeps = {eq.keep_key(r["keep_ratio"]) for r in result["rows"]}
+    assert set(result["tokens_kept_by_keep"]) == keeps
+    for kinds in result["tokens_kept_by_keep"].values():
+        assert set(kinds) >= {"dense", "plain"} and all(v is None or v > 0 for v in kinds.values())
+
+
+# ------------------------------------------------------------------------------------------ unit
+
+@pytest.mark.parametrize("text, want", [
+    ("  Red.\n", "red"), ("42", "42"), ("42 .", "42"), ("3..", "3."), ("蓝色。", "蓝色"), ("", ""), (".", ""),
+    ("Circle", "circle"),
+])
+def test_normalize(text, want):
+    assert eq.normalize(text) == want
+
+
+def test_exact_match_normalises_both_sides():
+    assert eq.exact_match(" Triangle.", "triangle")
+    assert eq.exact_match("17", "17.")
+    assert not eq.exact_match("17 dollars", "17")
+    assert not eq.exact_match("", "17")
+
+
+def test_plans():
+    full = eq.plan("full")
+    assert len(full) == 15 and sum(len(keeps) for _, keeps in full) == 19
+    routings = [r for r, _ in full]
+    assert len(set(routings)) == 15
+    assert full[0] == (eq.TOPK, eq.KEEP_RATIOS) and all(keeps == (1.0,) for _, keeps in full[1:])
+    assert [r.name for r in routings].count("topk") == 1  # topk at keep 1.0 runs once for both sweeps
+    sere = {(r.primary_k, r.rho, r.protect) for r in routings if r.name == "sere"}
+    assert sere == {(k, rho, p) for k in (1, 2) for rho in (0.0, 0.3, 0.5) for p in (True, False)}
+    top2 = next(r for r in routings if r.name == "top2")
+    assert top2.overrides == {"moe_decoder": {"routing_policy": "truncate", "truncate_k": "2"}}
+    assert top2.fields == {"routing": "top2", "primary_k": 2, "rho": None, "protect": None}
+    assert eq.sere(1, 0.3, False).overrides == {"moe_decoder": {
+        "routing_policy": "sere", "sere_primary_k": "1", "sere_threshold": "0.3", "sere_protect": "false"}}
+    assert eq.plan("quick") == [(eq.TOPK, (1.0, 0.5)), (eq.TOP2, (1.0,)), (eq.sere(2, 0.5, True), (1.0,))]
+    assert len({r.slug for r in routings}) == 15  # one log file per server
+    with pytest.raises(ValueError):
+        eq.plan("everything")
+
+
+def test_plan_overrides_name_real_parameters(tmp_path):
+    """Every parameter a routing sets exists in moe_decoder/config.pbtxt (rendering refuses unknown ones)."""
+    merged: dict[str, str] = {}
+    for routing, _ in eq.plan("full"):
+        merged.update(routing.overrides["moe_decoder"])
+    serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "repo", None, {"moe_decoder": merged})
+
+
+ITEMS = [Item("q1", "Red", "colour", ("dense", "plain"), (b"a", b"b")),
+         Item("q2", "17", "read_price", ("dense", "plain", "plain"), (b"a", b"b", b"c")),
+         Item("q3", "3", "count", ("plain", "dense"), (b"a", b"b")),
+         Item("q4", "blue", "colour", ("dense", "plain"), (b"a", b"b"))]
+
+
+def test_accuracy_rows_and_token_means():
+    answers = [Answer("red.", True, [10, 4]), Answer("18", False, [12, 2, 6]),
+               Answer(error="ServerError: boom"), Answer("Blue", True, [9])]  # counts not one per image
+    acc, by_task = eq.accuracy(ITEMS, answers)
+    assert acc == 0.5 and by_task == {"colour": 1.0, "count": 0.0, "read_price": 0.0}
+    row = eq.make_row(eq.sere(2, 0.5, True), 1.0, ITEMS, answers, 1.23456)
+    assert row == {"keep_ratio": 1.0, "routing": "sere", "primary_k": 2, "rho": 0.5, "protect": True,
+                   "accuracy": 0.5, "by_task": by_task, "seconds": 1.235, "failed": 1,
+                   "first_error": "ServerError: boom"}
+    tally = eq.TokenTally()
+    tally.add(1.0, ITEMS, answers)  # the failed request and the mismatched counts are left out
+    assert tally.means(1.0) == {"dense": 11.0, "plain": 4.0}
+    assert eq.accuracy([], []) == (0.0, {})
+
+
+def test_tokens_kept_headline():
+    tally = eq.TokenTally()
+    assert tally.headline() == {"dense": None, "plain": None} and tally.by_keep() == {}
+    for keep, n in ((1.0, 20), (0.5, 10), (0.3, 6)):
+        tally.add(keep, ITEMS[:1], [Answer("x", False, [n, n // 2])])
+    assert tally.headline() == {"dense": 6.0, "plain": 3.0}  # no 0.6: the smallest keep ratio
+    tally.add(0.6, ITEMS[:1], [Answer("x", False, [12, 6])])
+    assert tally.headline() == {"dense": 12.0, "plain": 6.0}
+    assert list(tally.by_keep()) == ["1.0", "0.6", "0.5", "0.3"]
+    tally.add(0.7, ITEMS[2:3], [Answer("x", False, [5, 9])])
+    assert tally.means(0.7) == {"dense": 9.0, "plain": 5.0}
+    only_plain = eq.TokenTally()
+    only_plain.add(1.0, [Item("q", "a", "t", ("plain",), (b"a",))], [Answer("x", False, [7])])
+    assert only_plain.by_keep() == {"1.0": {"dense": None, "plain": 7.0}}
+
+
+def test_table_and_plot(tmp_path):
+    tally = eq.TokenTally()
+    rows = []
+    for routing, keep, answers in (
+            (eq.TOPK, 1.0, [Answer("red", True, [10, 4])] * 4),
+            (eq.TOPK, 0.6, [Answer("x", False, [6, 2])] * 4),
+            (eq.TOP2, 1.0, [Answer(error="ServerError: boom")] * 4),
+            (eq.sere(1, 0.0, False), 1.0, [Answer("red", True, [10, 4])] * 4),
+            (eq.OEA, 1.0, [Answer("x", False, [10, 4])] * 4)):
+        items = [ITEMS[0]] * 4
+        rows.append(eq.make_row(routing, keep, items, answers, 2.0))
+        tally.add(keep, items, answers)
+    result = eq.result_json("test", 4, "checkpoints/tiny", rows, tally)
+    assert result["tokens_kept"] == {"dense": 6.0, "plain": 2.0}
+    text = eq.table(result)
+    assert "sere" in text and "oea" in text and "keep 1.0 top2: 4 requests failed, first: ServerError: boom" in text
+    assert "keep 0.6: dense 6.0, plain 2.0" in text
+    assert eq.row_label(rows[3]) == "sere K'=1 ρ=0 -P" and eq.row_label(rows[4]) == "oea k0=2"
+    if HAS_MPL:
+        assert eq.plot(result, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
+
+
+def test_ask_reports_a_failed_request():
+    answer = eq.ask(f"127.0.0.1:{serve.free_port()}", ITEMS[0], 1.0, 4, timeout=20)  # nothing listens there
+    assert answer.error and not answer.correct and answer.text is None
+
+
+def test_cli_eval_arguments(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(eq, "run_eval", lambda *a: calls.append(a))
+    assert cli.main(["eval", "--settings", "quick", "--n", "4", "--concurrency", "2", "--out", str(tmp_path / "q"),
+                     "--checkpoint", "ckpt", "--max-tokens", "6", "--split", "validation"]) == 0
+    assert calls == [("ckpt", "validation", 4, 2, 6, "quick", tmp_path / "q", None)]
+    assert cli.main(["eval"]) == 0
+    assert calls[1] == (None, "test", 200, 16, 8, "full", eq.DEFAULT_OUT, None)
+
+
+# ----------------------------------------------------------------------------------- integration
+
+@pytest.mark.integration
+def test_settings_against_server(zipmoe_server, tmp_path):
+    """Two keep ratios over 4 test examples on the shared (topk) server: both sweeps, tokens by kind."""
+    items = eq.load_items("test", 4)
+    assert all(len(it.images) == len(it.kinds) >= 2 for it in items)
+    tally, rows, kept_total = eq.TokenTally(), [], {}
+    for keep in (1.0, 0.5):
+        answers, seconds = eq.run_setting(zipmoe_server.url_grpc, items, keep, concurrency=4, max_tokens=4)
+        assert [a.error for a in answers] == [None] * 4 and all(isinstance(a.text, str) for a in answers)
+        assert [len(a.kept) for a in answers] == [len(it.images) for it in items]
+        kept_total[keep] = sum(sum(a.kept) for a in answers)
+        rows.append(eq.make_row(eq.TOPK, keep, items, answers, seconds))
+        tally.add(keep, items, answers)
+    assert kept_total[0.5] < kept_total[1.0]
+    result = eq.result_json("test", 4, "checkpoints/tiny", rows, tally)
+    check_schema(result, 4)
+    assert result["tokens_kept"] == result["tokens_kept_by_keep"]["0.5"]  # no 0.6 run: the smallest
+    assert [r["keep_ratio"] for r in rows if r["routing"] == "topk"] == [1.0, 0.5]  # sweep (a)
+    assert [r["routing"] for r in rows if r["keep_ratio"] == 1.0] == ["topk"]  # sweep (b)
+    if HAS_MPL:
+        assert eq.plot(result, tmp_path / "q.png")
+
+
+@pytest.mark.integration
+def test_run_eval_one_server(tiny_checkpoint, tmp_path):
+    """The server loop with one configuration (sere, calibrated when needed): JSON, PNG, logs."""
+    plan = [(eq.sere(2, 0.5, True), (1.0, 0.6))]
+    result = eq.run_eval(tiny_checkpoint, "test", 4, concurrency=4, max_tokens=4, settings=plan,
+                         out=tmp_path / "quality", log_dir=tmp_path / "logs")
+    check_schema(result, 4)
+    assert json.loads((tmp_path / "quality.json").read_text()) == result
+    assert [(r["routing"], r["keep_ratio"], r["primary_k"], r["rho"], r["protect"]) for r in result["rows"]] == [
+        ("sere", 1.0, 2, 0.5, True), ("sere", 0.6, 2, 0.5, True)]
+    assert result["tokens_kept"] == result["tokens_kept_by_keep"]["0.6"]
+    assert result["checkpoint"] == "checkpoints/tiny"
+    assert (tmp_path / "logs" / "server-sere-k2-rho0.5-protect.log").stat().st_size > 0
+    assert (tmp_path / "quality.png").exists() == HAS_MPL
