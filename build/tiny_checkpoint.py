@@ -157,11 +157,15 @@ def _corpus() -> list[str]:
     return english + questions + numbers + chinese + emoji
 
 
-def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = LEARNED_VOCAB) -> PreTrainedTokenizerFast:
+def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = LEARNED_VOCAB,
+                    split_digits: bool = False) -> PreTrainedTokenizerFast:
     """Byte-level BPE like Qwen's (every byte is a token, so any UTF-8 text round-trips) learned on
-    `corpus` (default: the demo's mixed text), the Qwen special tokens and the chat template."""
+    `corpus` (default: the demo's mixed text), the Qwen special tokens and the chat template.
+    split_digits: every digit its own token, as Qwen's own pre-tokenizer does."""
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     bpe.decoder = decoders.ByteLevel()
     bpe.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -143,7 +143,9 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(seed)
-    tok = build_tokenizer(out, tokenizer_corpus(), TOKENIZER_VOCAB)
+    # Digits one token each (as Qwen's tokenizer): a number's later digits are decode steps, where
+    # the routing policies act.
+    tok = build_tokenizer(out, tokenizer_corpus(), TOKENIZER_VOCAB, split_digits=True)
     text, vision = SIZES[size]
     config = model_config(tok, text=text, vision=vision)
     model = Qwen3VLMoeForConditionalGeneration(config).to(dev)
@@ -163,7 +165,7 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
     log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr, "losses": []}
     start = time.monotonic()
     model.train()
-    bar = tqdm(train_loader, total=steps, desc="train")
+    bar = tqdm(train_loader, total=steps, desc="train", mininterval=5)
     step = 0
     for step, data in enumerate(bar):
         for group in opt.param_groups:

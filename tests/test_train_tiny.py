@@ -39,6 +39,7 @@ def test_dataset_matches_the_server_prompt(tmp_path):
     answer = prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
     assert ids[len(expanded):] == answer
     assert [t for t in item["labels"].tolist() if t != -100] == answer
+    assert len(prompt.tokenizer.encode("37", add_special_tokens=False).ids) == 2  # digits split, as Qwen does
     assert item["pixels"].shape == (len(ex.images) * 64, 3 * 2 * 16 * 16)
     batch = collate([item, item], pad_id=0, image_token=image_token)
     assert batch["mm_token_type_ids"].sum() == 2 * 16 * len(ex.images)
