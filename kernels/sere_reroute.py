@@ -40,14 +40,19 @@ def sere_reroute_reference(ids: torch.Tensor, similarity: torch.Tensor, protect:
 @triton.jit
 def _sere_kernel(ids_ptr, sim_ptr, protect_ptr, opt_out_ptr, out_ptr, T, E, threshold,
                  K: tl.constexpr, K1: tl.constexpr, HAS_OPT_OUT: tl.constexpr,
-                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, K1_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                 CHUNK_T: tl.constexpr):
     experts = tl.arange(0, E_PAD)
-    # Every program rebuilds the (small) primary set from all tokens rather than syncing programs.
+    # Every program rebuilds the (small) primary set from all tokens rather than syncing programs;
+    # it reads only the primary columns (K1 of K).
     primary = tl.zeros([E_PAD], dtype=tl.int32)
-    lane = tl.arange(0, CHUNK)
-    for c0 in range(0, T * K, CHUNK):
-        s = c0 + lane
-        e = tl.load(ids_ptr + s, mask=(s < T * K) & (s % K < K1), other=-1).to(tl.int32)
+    chunk_rows = tl.arange(0, CHUNK_T)
+    primary_cols = tl.arange(0, K1_PAD)
+    for t0 in range(0, T, CHUNK_T):
+        rows = t0 + chunk_rows
+        ok = (rows[:, None] < T) & (primary_cols[None, :] < K1)
+        e = tl.load(ids_ptr + rows[:, None] * K + primary_cols[None, :], mask=ok, other=-1).to(tl.int32)
+        e = tl.reshape(e, [CHUNK_T * K1_PAD])
         primary = tl.maximum(primary, tl.max((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
     primary = primary & (experts < E)
 
@@ -85,7 +90,8 @@ def sere_reroute(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Ten
     _sere_kernel[(triton.cdiv(T, block_t),)](
         ids, similarity.contiguous(), protect.contiguous(), opt_out if opt_out is not None else ids, out,
         T, E, float(threshold), K=K, K1=primary_k, HAS_OPT_OUT=opt_out is not None,
-        BLOCK_T=block_t, K_PAD=triton.next_power_of_2(K), E_PAD=triton.next_power_of_2(E), CHUNK=64,
+        BLOCK_T=block_t, K_PAD=triton.next_power_of_2(K), K1_PAD=triton.next_power_of_2(primary_k),
+        E_PAD=triton.next_power_of_2(E), CHUNK_T=max(1, 64 // triton.next_power_of_2(primary_k)),
         num_warps=4)
     return out
 
