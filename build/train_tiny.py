@@ -148,9 +148,8 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
     tok = build_tokenizer(out, tokenizer_corpus(), TOKENIZER_VOCAB, split_digits=True)
     text, vision = SIZES[size]
     config = model_config(tok, text=text, vision=vision)
+    config.save_pretrained(out)  # the dataset reads config.json (the tokenizer files are already there)
     model = Qwen3VLMoeForConditionalGeneration(config).to(dev)
-    save_model(model, out)  # config and processor files first: the dataset reads them
-    model = model.float().to(dev)
     params = sum(p.numel() for p in model.parameters())
     print(f"{out}: {params / 1e6:.1f} M parameters, training on {dev}")
 

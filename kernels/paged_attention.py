@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-import zipmoe.kernels  # noqa: F401  (selects Triton's interpreter on machines without CUDA)
-import triton
+import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
 # Keys per partition: a compromise measured on an H200 at the 30B shape (bf16, graph replay).

@@ -1,16 +1,12 @@
 """Shared fixtures: the tiny checkpoint, a real tritonserver on loopback, and the gpu marker."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# Before anything imports triton (transformers does): kernels run in Triton's interpreter on CPU.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+import zipmoe.kernels  # noqa: F401  first: it picks Triton's interpreter on CPU before transformers imports triton
 from zipmoe import serve
 from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 
