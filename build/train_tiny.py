@@ -31,6 +31,7 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 from zipmoe.build import notes_data
 from zipmoe.build.sere_calibrate import calibrate
 from zipmoe.build.tiny_checkpoint import build_tokenizer, model_config, save_model
+from zipmoe.engine.multimodal import splice_images
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import patchify
 
@@ -75,20 +76,23 @@ class NotesDataset(Dataset):
         if self.prompt is None:
             self.prompt = ChatPrompt(self.checkpoint)
         ex = notes_data.make_example(notes_data.split_seed(self.split, self.start + i))
-        ids, pixels, grids = [], [], []
-        tokens_per_image = []
+        pixels, grids, merged = [], [], []
         for image in ex.images:
             x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255.0
             x = (x - 0.5) / 0.5  # the image processor's mean and std
             pixels.append(patchify(x, self.patch, self.merge, self.temporal))
             gh, gw = x.shape[1] // self.patch, x.shape[2] // self.patch
             grids.append([1, gh, gw])
-            tokens_per_image.append(gh * gw // self.merge ** 2)
-        counts = iter(tokens_per_image)
-        for t in self.prompt.encode(ex.question, len(ex.images)):
-            ids.extend([t] * next(counts) if t == self.image_token else [t])
+            merged.append((gh // self.merge, gw // self.merge))
+        # Expanded ids and mRoPE positions exactly as the engine splices them (every token kept).
+        # Computing the positions here, in the workers, spares the model's per-example Python loop.
+        cells = torch.cat([torch.cartesian_prod(torch.arange(r), torch.arange(c)) for r, c in merged])
+        ids, positions, rope_delta = splice_images(self.prompt.encode(ex.question, len(ex.images)), self.image_token,
+                                                   [r * c for r, c in merged], cells, merged)
         answer = self.prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
+        answer_positions = torch.arange(len(ids), len(ids) + len(answer)).expand(3, -1) + rope_delta
         return {"ids": torch.tensor(ids + answer), "labels": torch.tensor([-100] * len(ids) + answer),
+                "positions": torch.cat([positions, answer_positions], dim=1),
                 "pixels": torch.cat(pixels), "grids": torch.tensor(grids)}
 
 
@@ -97,11 +101,13 @@ def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
     ids = torch.full((len(batch), n), pad_id)
     labels = torch.full((len(batch), n), -100)
     mask = torch.zeros(len(batch), n, dtype=torch.long)
+    positions = torch.zeros(3, len(batch), n, dtype=torch.long)
     for i, b in enumerate(batch):
         ids[i, :len(b["ids"])] = b["ids"]
         labels[i, :len(b["labels"])] = b["labels"]
         mask[i, :len(b["ids"])] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
+        positions[:, i, :len(b["ids"])] = b["positions"]
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions,
             "mm_token_type_ids": (ids == image_token).long(),
             "pixel_values": torch.cat([b["pixels"] for b in batch]),
             "image_grid_thw": torch.cat([b["grids"] for b in batch])}
@@ -114,10 +120,11 @@ def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return ((pred == target) | (target == -100)).all(dim=1)
 
 
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to a tenth of the peak as `progress`
+    (the fraction of the run done, 0..1) goes to 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -138,7 +145,7 @@ def validate(model, loader, device) -> tuple[float, float]:
 
 def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 64, minutes: float = 15.0,
           lr: float = 2e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
-          val_examples: int = 512, calibrate_sere: bool = True) -> dict:
+          val_examples: int = 512, calibrate_sere: bool = True, val_every_minutes: float = 2.0) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -161,14 +168,21 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
     val_loader = DataLoader(NotesDataset(out, "validation", val_examples), **loader_args)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
-    log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr, "losses": []}
+    log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr, "losses": [],
+                 "validation": []}
     start = time.monotonic()
+    budget = minutes * 60
+    next_validation = val_every_minutes * 60
     model.train()
     bar = tqdm(train_loader, total=steps, desc="train", mininterval=5)
     step = 0
     for step, data in enumerate(bar):
+        elapsed = time.monotonic() - start
+        # The schedule decays over whichever runs out first, the steps or the time budget: a run
+        # cut by the clock still ends at the low learning rate.
+        progress = max(step / steps, elapsed / budget)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10 + 1))
+            group["lr"] = lr_at(step, progress, lr, warmup=min(200, steps // 10 + 1))
         data = {k: v.to(dev, non_blocking=True) for k, v in data.items()}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(**data, output_router_logits=True).loss
@@ -179,7 +193,12 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
         if step % 50 == 0:
             log["losses"].append([step, round(loss.item(), 4)])
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if time.monotonic() - start > minutes * 60:
+        if elapsed > next_validation:  # a learning curve for the notes: (minute, step, loss, exact match)
+            next_validation += val_every_minutes * 60
+            val_loss, val_match = validate(model, val_loader, dev)
+            log["validation"].append([round(elapsed / 60, 2), step, round(val_loss, 4), round(val_match, 4)])
+            print(f"minute {elapsed / 60:.1f}, step {step}: validation loss {val_loss:.4f}, exact match {val_match:.3f}")
+        if time.monotonic() - start > budget:
             print(f"time budget of {minutes} min reached at step {step}")
             break
     log["steps"] = step + 1
@@ -195,6 +214,7 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
         prompts.write_text("".join(json.dumps({"text": ex.question}) + "\n"
                                    for ex in notes_data.examples("validation", 64)))
         calibrate(out, prompts_file=prompts, device=str(dev))
+    print(f"{out}: done")
     return log
 
 

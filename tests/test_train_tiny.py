@@ -51,3 +51,18 @@ def test_answer_exact_match_needs_every_answer_token():
     logits[0, 1, 5] = logits[0, 2, 6] = 1  # both answer tokens right
     logits[1, 1, 5] = logits[1, 2, 7] = 1  # the second one wrong
     assert answer_exact_match(logits, labels).tolist() == [True, False]
+
+
+def test_positions_match_the_models_own_rope_index(tmp_path):
+    """The workers' mRoPE positions (the engine's splice) equal what the HF model computes itself."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    data = NotesDataset(tmp_path, "validation", 3)
+    batch = collate([data[i] for i in range(3)], pad_id=0, image_token=cfg["image_token_id"])
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path)
+    expected, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
+                                             None, attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["position_ids"][:, real], expected[:, real])
