@@ -66,3 +66,23 @@ def test_positions_match_the_models_own_rope_index(tmp_path):
                                              None, attention_mask=batch["attention_mask"])
     real = batch["attention_mask"].bool()
     assert torch.equal(batch["position_ids"][:, real], expected[:, real])
+
+
+def test_one_grid_vision_shortcuts_match_the_towers_per_image_loops(tmp_path):
+    """Training's batched vision attention and once-built rotary positions give the tower's own result."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from zipmoe.build.train_tiny import UNIFORM_IMAGE_ATTENTION, one_grid_vision_inputs
+    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert "_attn_implementation" not in cfg["vision_config"] or cfg["vision_config"]["_attn_implementation"] != UNIFORM_IMAGE_ATTENTION
+    data = NotesDataset(tmp_path, "validation", 2)
+    batch = collate([data[0], data[1]], pad_id=0, image_token=cfg["image_token_id"])
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    visual = model.model.visual
+    with torch.no_grad():
+        reference = visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+        visual.config._attn_implementation = UNIFORM_IMAGE_ATTENTION
+        one_grid_vision_inputs(visual)
+        batched = visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+    torch.testing.assert_close(batched, reference, rtol=1e-4, atol=1e-5)
