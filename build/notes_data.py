@@ -55,9 +55,14 @@ QUESTIONS: dict[str, str] = {
     "colour": "what colour is the shape in image {i}?",
 }
 
+# Training only: say what one image shows (a price, a receipt's lines, a table's cells, a shape).
+# Like the OCR and caption data real VLMs learn from, it supervises every image's content through
+# the decoder, where the six tasks give a reading signal only on a quarter of the images.
+DESCRIBE_QUESTION = "what does image {i} show?"
+
 __all__ = [
-    "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "Example",
-    "make_example", "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
+    "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "DESCRIBE_QUESTION", "Example",
+    "make_example", "make_describe_example", "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
 ]
 
 
@@ -355,6 +360,29 @@ def make_example(seed: int) -> Example:
     return Example(images, tuple(n.kind for n in plan.notes), plan.question, plan.answer, plan.task, seed)
 
 
+def describe(note: _Note) -> str:
+    """The answer to DESCRIBE_QUESTION: the image's text as written, or its colour and shape."""
+    if note.type == "price_tag":
+        return f"${note.price}"
+    if note.type == "receipt":
+        return " ".join(f"{label} {value:02d}" for label, value in note.items) + f" TOTAL {note.total:02d}"
+    if note.type == "table":
+        return " ".join(str(v) for v in note.cells)
+    if note.type == "shape":
+        return f"a {note.colour} {note.shape}"
+    return f"solid {note.colour}"
+
+
+def make_describe_example(seed: int) -> Example:
+    """The images of make_example(seed), asked what one of them (drawn after the pixels) shows."""
+    rng = random.Random(seed)
+    plan = _plan(rng)
+    images = tuple(_render(note, rng) for note in plan.notes)
+    i = rng.randint(1, len(plan.notes))
+    return Example(images, tuple(n.kind for n in plan.notes), DESCRIBE_QUESTION.format(i=i),
+                   describe(plan.notes[i - 1]), "describe", seed)
+
+
 def split_seed(split: str, index: int) -> int:
     """Seed of example `index` of a split; splits interleave (3*index + 0|1|2) and never overlap."""
     if split not in SPLITS:
@@ -384,9 +412,11 @@ def tokenize(text: str) -> list[str]:
 
 
 def vocabulary() -> list[str]:
-    """Every token that can appear in questions and answers, sorted (numbers 0..99 as whole tokens)."""
+    """Every token that can appear in questions and answers (describe's too), sorted (numbers 0..99
+    as whole tokens)."""
     words = set(COLOURS) | set(SHAPES) | {str(v) for v in range(100)}
-    for template in QUESTIONS.values():
+    words.update(tokenize(f"a solid $ TOTAL {' '.join(_RECEIPT_LETTERS)}"))  # describe's answers
+    for template in (*QUESTIONS.values(), DESCRIBE_QUESTION):
         words.update(tokenize(re.sub(r"\{\w+\}", " ", template)))
     return sorted(words)
 

@@ -52,19 +52,33 @@ SIZES = {
 }
 
 
+TRAIN_TASKS = (*notes_data.TASKS, "describe")
+GOLDEN = 0.6180339887498949  # example k is a describe example when (k * GOLDEN) mod 1 < fraction
+
+
+def is_describe(index: int, fraction: float) -> bool:
+    """Low-discrepancy choice: any run of examples holds close to `fraction` describe examples."""
+    return (index * GOLDEN) % 1.0 < fraction
+
+
 def tokenizer_corpus(n: int = 3000) -> list[str]:
     """The task's own text: every word it can use, and rendered questions and answers."""
     texts = [" ".join(notes_data.vocabulary())]
-    for ex in notes_data.examples("train", n):
+    for k in range(n):
+        seed = notes_data.split_seed("train", k)
+        ex = notes_data.make_describe_example(seed) if k % 4 == 0 else notes_data.make_example(seed)
         texts.append(f"{ex.question}\n{ex.answer}")
     return texts + ["user\nassistant\n"]
 
 
 class NotesDataset(Dataset):
-    """Example i of a split as model inputs: ids, labels (answer only), pixels, grids."""
+    """Example i of a split as model inputs: ids, labels (answer only), positions, pixels, grids, task.
 
-    def __init__(self, checkpoint: Path, split: str, length: int, start: int = 0):
+    describe_fraction: that share of the examples asks what one image shows (training only)."""
+
+    def __init__(self, checkpoint: Path, split: str, length: int, start: int = 0, describe_fraction: float = 0.0):
         self.checkpoint, self.split, self.length, self.start = checkpoint, split, length, start
+        self.describe_fraction = describe_fraction
         self.prompt: ChatPrompt | None = None  # built in the worker: tokenizers are not shared across processes
         cfg = json.loads((checkpoint / "config.json").read_text())
         vision = cfg["vision_config"]
@@ -77,7 +91,10 @@ class NotesDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         if self.prompt is None:
             self.prompt = ChatPrompt(self.checkpoint)
-        ex = notes_data.make_example(notes_data.split_seed(self.split, self.start + i))
+        index = self.start + i
+        seed = notes_data.split_seed(self.split, index)
+        describe = is_describe(index, self.describe_fraction)
+        ex = notes_data.make_describe_example(seed) if describe else notes_data.make_example(seed)
         pixels, grids, merged = [], [], []
         for image in ex.images:
             x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255.0
@@ -95,7 +112,7 @@ class NotesDataset(Dataset):
         answer_positions = torch.arange(len(ids), len(ids) + len(answer)).expand(3, -1) + rope_delta
         return {"ids": torch.tensor(ids + answer), "labels": torch.tensor([-100] * len(ids) + answer),
                 "positions": torch.cat([positions, answer_positions], dim=1),
-                "pixels": torch.cat(pixels), "grids": torch.tensor(grids)}
+                "pixels": torch.cat(pixels), "grids": torch.tensor(grids), "task": TRAIN_TASKS.index(ex.task)}
 
 
 def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
@@ -112,7 +129,8 @@ def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions,
             "mm_token_type_ids": (ids == image_token).long(),
             "pixel_values": torch.cat([b["pixels"] for b in batch]),
-            "image_grid_thw": torch.cat([b["grids"] for b in batch])}
+            "image_grid_thw": torch.cat([b["grids"] for b in batch]),
+            "task": torch.tensor([b["task"] for b in batch])}  # not a model input: popped before forward
 
 
 # The vision tower loops over images for any attention that is not "flash" (thousands of small
@@ -174,23 +192,29 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 
 
 @torch.no_grad()
-def validate(model, loader, device) -> tuple[float, float]:
+def validate(model, loader, device) -> dict:
+    """Validation loss and teacher-forced exact match, overall and per task."""
     model.eval()
-    losses, hits, n = [], 0, 0
+    losses, hits, counts = [], torch.zeros(len(TRAIN_TASKS)), torch.zeros(len(TRAIN_TASKS))
     for batch in loader:
         batch = {k: v.to(device) for k, v in batch.items()}
+        task = batch.pop("task").cpu()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(**batch)
         losses.append(float(out.loss))
-        hits += int(answer_exact_match(out.logits, batch["labels"]).sum())
-        n += batch["labels"].shape[0]
+        hit = answer_exact_match(out.logits, batch["labels"]).float().cpu()
+        hits.index_add_(0, task, hit)
+        counts.index_add_(0, task, torch.ones_like(hit))
     model.train()
-    return sum(losses) / len(losses), hits / n
+    return {"loss": round(sum(losses) / len(losses), 4),
+            "exact_match": round(float(hits.sum() / counts.sum()), 4),
+            "by_task": {t: round(float(h / c), 4) for t, h, c in zip(TRAIN_TASKS, hits, counts) if c > 0}}
 
 
 def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 64, minutes: float = 15.0,
-          lr: float = 2e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
-          val_examples: int = 512, calibrate_sere: bool = True, val_every_minutes: float = 2.0) -> dict:
+          lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
+          val_examples: int = 512, calibrate_sere: bool = True, val_every_minutes: float = 2.0,
+          describe_fraction: float = 0.3) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -213,13 +237,13 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
     workers = workers if workers is not None else (max(1, (os.cpu_count() or 2) - 2) if dev.type == "cuda" else 0)
     loader_args = dict(batch_size=batch, num_workers=workers, collate_fn=functools.partial(collate, pad_id=pad, image_token=image_token),
                        persistent_workers=workers > 0)
-    train_loader = DataLoader(NotesDataset(out, "train", steps * batch), shuffle=False, **loader_args)
+    train_loader = DataLoader(NotesDataset(out, "train", steps * batch, describe_fraction=describe_fraction), shuffle=False, **loader_args)
     val_loader = DataLoader(NotesDataset(out, "validation", val_examples), **loader_args)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=dev.type == "cuda")
 
-    log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr, "losses": [],
-                 "validation": []}
+    log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr,
+                 "describe_fraction": describe_fraction, "losses": [], "validation": [], "skipped_steps": 0}
     start = time.monotonic()
     budget = minutes * 60
     next_validation = val_every_minutes * 60
@@ -233,30 +257,36 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
         progress = max(step / steps, elapsed / budget)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, progress, lr, warmup=min(200, steps // 10 + 1))
-        data = {k: v.to(dev, non_blocking=True) for k, v in data.items()}
+        data = {k: v.to(dev, non_blocking=True) for k, v in data.items() if k != "task"}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(**data, output_router_logits=True).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # A non-finite step (a bf16 overflow) would poison Adam's moments for good: drop it instead.
+        # One sync per step, a small price at this model size.
+        if not torch.isfinite(grad_norm):
+            log["skipped_steps"] += 1
+            continue
         opt.step()
         if step % 50 == 0:
             log["losses"].append([step, round(loss.item(), 4)])
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if elapsed > next_validation:  # a learning curve for the notes: (minute, step, loss, exact match)
+        if elapsed > next_validation:  # a learning curve for the notes, per task
             next_validation += val_every_minutes * 60
-            val_loss, val_match = validate(model, val_loader, dev)
-            log["validation"].append([round(elapsed / 60, 2), step, round(val_loss, 4), round(val_match, 4)])
-            print(f"minute {elapsed / 60:.1f}, step {step}: validation loss {val_loss:.4f}, exact match {val_match:.3f}")
+            log["validation"].append({"minute": round(elapsed / 60, 2), "step": step, **validate(model, val_loader, dev)})
+            print(f"minute {elapsed / 60:.1f}, step {step}: validation {log['validation'][-1]}")
         if time.monotonic() - start > budget:
             print(f"time budget of {minutes} min reached at step {step}")
             break
     log["steps"] = step + 1
     log["minutes"] = round((time.monotonic() - start) / 60, 2)
     log["final_loss"] = round(loss.item(), 4)
-    log["val_loss"], log["val_exact_match"] = validate(model, val_loader, dev)
-    print(f"{out}: {log['steps']} steps in {log['minutes']} min, final loss {log['final_loss']}, "
-          f"validation loss {log['val_loss']:.4f}, teacher-forced exact match {log['val_exact_match']:.3f}")
+    final = validate(model, val_loader, dev)
+    log["val_loss"], log["val_exact_match"], log["val_by_task"] = final["loss"], final["exact_match"], final["by_task"]
+    print(f"{out}: {log['steps']} steps in {log['minutes']} min ({log['skipped_steps']} non-finite skipped), final "
+          f"loss {log['final_loss']}, validation loss {log['val_loss']:.4f}, teacher-forced exact match "
+          f"{log['val_exact_match']:.3f} {log['val_by_task']}")
     config.vision_config._attn_implementation = vision_attention  # not a setting of the saved checkpoint
     save_model(model.cpu(), out)
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
@@ -276,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--minutes", type=float, default=15.0, help="stop early when this much time has passed")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--val-every", type=float, default=2.0, help="minutes between validation runs")
+    p.add_argument("--describe", type=float, default=0.3, help="share of training examples that ask what an image shows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--workers", type=int, default=None)
     args = p.parse_args(argv)
-    train(args.out, args.size, args.steps, args.batch, args.minutes, args.lr, args.seed, args.device, args.workers)
+    train(args.out, args.size, args.steps, args.batch, args.minutes, args.lr, args.seed, args.device, args.workers,
+          val_every_minutes=args.val_every, describe_fraction=args.describe)
     return 0
 
 

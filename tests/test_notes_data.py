@@ -185,3 +185,23 @@ def test_cli_writes_images_and_jsonl(tmp_path):
         assert r["images"] == [f"{ex.seed}_{k}.png" for k in range(1, len(ex.images) + 1)]
         for name, im in zip(r["images"], ex.images):
             assert Image.open(tmp_path / name).tobytes() == im.tobytes()
+
+
+def test_describe_examples_say_what_the_asked_image_shows():
+    vocab = set(nd.vocabulary())
+    seen = set()
+    for seed in range(60):
+        ex = nd.make_describe_example(seed)
+        plan = nd._plan(seed)
+        i = int(re.search(r"image (\d+)", ex.question).group(1))
+        note = plan.notes[i - 1]
+        seen.add(note.type)
+        assert ex.task == "describe" and ex.question == nd.DESCRIBE_QUESTION.format(i=i)
+        assert ex.answer == nd.describe(note)
+        assert set(nd.tokenize(ex.answer)) <= vocab, ex.answer
+        # Same images as the task example of this seed: only the question differs.
+        assert [im.tobytes() for im in ex.images] == [im.tobytes() for im in nd.make_example(seed).images]
+    assert seen == {"price_tag", "receipt", "table", "shape", "solid"}
+    assert nd.describe(nd._Note("receipt", items=(("K", 19), ("L", 48)))) == "K 19 L 48 TOTAL 67"
+    assert nd.describe(nd._Note("price_tag", price=64)) == "$64"
+    assert nd.describe(nd._Note("table", cells=(1, 5, 3, 2))) == "1 5 3 2"

@@ -16,7 +16,7 @@ def test_train_smoke_writes_a_servable_checkpoint(tmp_path):
     log = train(tmp_path, size="smoke", steps=3, batch=2, minutes=5, device="cpu", workers=0, val_examples=2,
                 calibrate_sere=False)
     assert log["steps"] == 3 and torch.isfinite(torch.tensor(log["final_loss"]))
-    assert 0.0 <= log["val_exact_match"] <= 1.0
+    assert 0.0 <= log["val_exact_match"] <= 1.0 and set(log["val_by_task"]) <= set(notes_data.TASKS)
     assert json.loads((tmp_path / "train_log.json").read_text())["seed"] == 0
     engine = LLMEngine(tmp_path, EngineConfig(num_kv_blocks=16, max_model_len=256))
     assert engine.text.num_experts == 16 and engine.text.top_k == 4
@@ -86,3 +86,22 @@ def test_one_grid_vision_shortcuts_match_the_towers_per_image_loops(tmp_path):
         one_grid_vision_inputs(visual)
         batched = visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
     torch.testing.assert_close(batched, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_describe_examples_are_mixed_in_at_the_asked_share(tmp_path):
+    from zipmoe.build.train_tiny import TRAIN_TASKS, is_describe
+    share = sum(is_describe(k, 0.3) for k in range(1000)) / 1000
+    assert abs(share - 0.3) < 0.01
+    assert not any(is_describe(k, 0.0) for k in range(1000))
+    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    data = NotesDataset(tmp_path, "train", 20, describe_fraction=0.3)
+    tasks = [TRAIN_TASKS[data[i]["task"]] for i in range(20)]
+    assert tasks.count("describe") == sum(is_describe(k, 0.3) for k in range(20))
+    k = tasks.index("describe")
+    ex = notes_data.make_describe_example(notes_data.split_seed("train", k))
+    prompt = ChatPrompt(tmp_path)
+    answer = prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
+    assert [t for t in data[k]["labels"].tolist() if t != -100] == answer
+    # validation holds the six tasks only
+    assert all(TRAIN_TASKS[NotesDataset(tmp_path, "validation", 20)[i]["task"]] != "describe" for i in range(20))
