@@ -105,3 +105,24 @@ def test_describe_examples_are_mixed_in_at_the_asked_share(tmp_path):
     assert [t for t in data[k]["labels"].tolist() if t != -100] == answer
     # validation holds the six tasks only
     assert all(TRAIN_TASKS[NotesDataset(tmp_path, "validation", 20)[i]["task"]] != "describe" for i in range(20))
+
+
+def test_grouped_mm_experts_train_like_the_expert_loop(tmp_path):
+    """The experts implementation training uses gives the per-expert loop's loss and gradients."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    data = NotesDataset(tmp_path, "train", 3, describe_fraction=0.3)
+    batch = collate([data[i] for i in range(3)], pad_id=0, image_token=cfg["image_token_id"])
+    batch.pop("task")
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    results = []
+    for experts in ("eager", "grouped_mm"):
+        model.config.text_config._experts_implementation = experts
+        model.zero_grad()
+        loss = model(**batch, output_router_logits=True).loss
+        loss.backward()
+        results.append((loss.detach(), model.model.language_model.layers[0].mlp.experts.gate_up_proj.grad.clone()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
