@@ -62,7 +62,7 @@ DESCRIBE_QUESTION = "what does image {i} show?"
 
 __all__ = [
     "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "DESCRIBE_QUESTION", "Example",
-    "make_example", "make_describe_example", "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
+    "make_example", "make_describe_example", "readings", "READING_SLOTS", "NO_DIGIT", "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
 ]
 
 
@@ -381,6 +381,28 @@ def make_describe_example(seed: int) -> Example:
     i = rng.randint(1, len(plan.notes))
     return Example(images, tuple(n.kind for n in plan.notes), DESCRIBE_QUESTION.format(i=i),
                    describe(plan.notes[i - 1]), "describe", seed)
+
+
+READING_SLOTS = 8  # digits an image can hold: a receipt's total and up to three items (2 each)
+NO_DIGIT = -100  # cross_entropy's ignore_index
+
+
+def readings(seed: int) -> list[list[int]]:
+    """Per image of make_example(seed) (and make_describe_example(seed)), the digits it shows, in
+    READING_SLOTS slots (NO_DIGIT where none): a price's two digits; a receipt's total, then each
+    item's two digits; a table's four cells. Plain images show none. Training's auxiliary target."""
+    out = []
+    for note in _plan(seed).notes:
+        if note.type == "price_tag":
+            digits = [note.price // 10, note.price % 10]
+        elif note.type == "receipt":
+            digits = [d for v in (note.total, *(value for _, value in note.items)) for d in (v // 10, v % 10)]
+        elif note.type == "table":
+            digits = list(note.cells)
+        else:
+            digits = []
+        out.append(digits + [NO_DIGIT] * (READING_SLOTS - len(digits)))
+    return out
 
 
 def split_seed(split: str, index: int) -> int:

@@ -205,3 +205,22 @@ def test_describe_examples_say_what_the_asked_image_shows():
     assert nd.describe(nd._Note("receipt", items=(("K", 19), ("L", 48)))) == "K 19 L 48 TOTAL 67"
     assert nd.describe(nd._Note("price_tag", price=64)) == "$64"
     assert nd.describe(nd._Note("table", cells=(1, 5, 3, 2))) == "1 5 3 2"
+
+
+def test_readings_are_the_digits_each_image_shows():
+    for seed in range(40):
+        plan = nd._plan(seed)
+        rows = nd.readings(seed)
+        assert len(rows) == len(nd.make_example(seed).images) == len(plan.notes)
+        for note, row in zip(plan.notes, rows):
+            assert len(row) == nd.READING_SLOTS
+            digits = [d for d in row if d != nd.NO_DIGIT]
+            assert row[:len(digits)] == digits  # filled from the first slot
+            if note.type == "price_tag":
+                assert int("".join(map(str, digits))) == note.price
+            elif note.type == "receipt":
+                assert int(f"{digits[0]}{digits[1]}") == note.total and len(digits) == 2 + 2 * len(note.items)
+            elif note.type == "table":
+                assert tuple(digits) == note.cells
+            else:
+                assert digits == []

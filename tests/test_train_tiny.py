@@ -115,7 +115,7 @@ def test_grouped_mm_experts_train_like_the_expert_loop(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     data = NotesDataset(tmp_path, "train", 3, describe_fraction=0.3)
     batch = collate([data[i] for i in range(3)], pad_id=0, image_token=cfg["image_token_id"])
-    batch.pop("task")
+    batch.pop("task"), batch.pop("readings")
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
     results = []
     for experts in ("eager", "grouped_mm"):
@@ -126,3 +126,28 @@ def test_grouped_mm_experts_train_like_the_expert_loop(tmp_path):
         results.append((loss.detach(), model.model.language_model.layers[0].mlp.experts.gate_up_proj.grad.clone()))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_reading_head_reads_each_images_digits_from_its_merged_tokens(tmp_path):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from zipmoe.build.train_tiny import ReadingHead
+    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    data = NotesDataset(tmp_path, "train", 4)
+    batch = collate([data[i] for i in range(4)], pad_id=0, image_token=cfg["image_token_id"])
+    assert batch["readings"].shape == (batch["image_grid_thw"].shape[0], notes_data.READING_SLOTS)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    head = ReadingHead(model.model.visual, 16, cfg["vision_config"]["out_hidden_size"])
+    readings = batch.pop("readings")
+    batch.pop("task")
+    model(**batch)  # the hook keeps the merged tokens of this forward
+    assert head.merged.shape[0] == 16 * readings.shape[0]
+    loss = head.loss(readings)
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+    # Only the digits an image shows count: plain images and unused slots are ignored.
+    logits = head.linear(head.merged.detach().view(readings.shape[0], -1)).view(-1, 10)
+    keep = readings.view(-1) != notes_data.NO_DIGIT
+    expected = torch.nn.functional.cross_entropy(logits[keep], readings.view(-1)[keep])
+    torch.testing.assert_close(loss.detach(), expected.detach())
