@@ -52,28 +52,38 @@ SPECIAL_TOKENS = (
 
 # Qwen3-VL chat format, reduced to what the service sends: string content or a
 # list of text / image / video items.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- else %}"
-    "{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'video' %}"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'text' %}"
-    "{{- item['text'] }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+def chat_template(label_images: bool = False) -> str:
+    """Qwen's chat template. label_images: write "image N: " before the N-th image of the
+    conversation (what Qwen's templates do with add_vision_id, as "Picture N: "), so a question
+    about "image 2" finds its image by the label instead of by counting image blocks."""
+    counter = "{%- set images = namespace(count=0) %}" if label_images else ""
+    label = ("{%- set images.count = images.count + 1 %}"
+             "{{- 'image ' + images.count|string + ': ' }}") if label_images else ""
+    return (
+        counter +
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}"
+        "{{- message['content'] }}"
+        "{%- else %}"
+        "{%- for item in message['content'] %}"
+        "{%- if item['type'] == 'image' %}"
+        + label +
+        "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{%- elif item['type'] == 'video' %}"
+        "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+        "{%- elif item['type'] == 'text' %}"
+        "{{- item['text'] }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}"
+    )
+
 
 # Image processor settings of Qwen3-VL (patch 16, 2x2 merge), with a pixel range
 # scaled down to the tiny model: 64x64 (4 visual tokens) to 512x512 (256 tokens).
@@ -158,10 +168,11 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int = LEARNED_VOCAB,
-                    split_digits: bool = False) -> PreTrainedTokenizerFast:
+                    split_digits: bool = False, label_images: bool = False) -> PreTrainedTokenizerFast:
     """Byte-level BPE like Qwen's (every byte is a token, so any UTF-8 text round-trips) learned on
     `corpus` (default: the demo's mixed text), the Qwen special tokens and the chat template.
-    split_digits: every digit its own token, as Qwen's own pre-tokenizer does."""
+    split_digits: every digit its own token, as Qwen's own pre-tokenizer does.
+    label_images: the chat template names each image ("image N: ", see chat_template)."""
     bpe = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -182,7 +193,7 @@ def build_tokenizer(out: Path, corpus: list[str] | None = None, vocab_size: int 
         pad_token="<|endoftext|>",
         model_max_length=4096,
         clean_up_tokenization_spaces=False,  # exact decode round trip
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template(label_images),
     )
     # Template inside tokenizer_config.json, where Qwen's checkpoints keep it and where a reader
     # using `tokenizers` + jinja2 without transformers looks for it.
