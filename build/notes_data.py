@@ -62,7 +62,8 @@ DESCRIBE_QUESTION = "what does image {i} show?"
 
 __all__ = [
     "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "DESCRIBE_QUESTION", "Example",
-    "make_example", "make_describe_example", "readings", "READING_SLOTS", "NO_DIGIT", "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
+    "make_example", "make_describe_example", "describe", "readings", "READING_SLOTS", "NO_DIGIT",
+    "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
 ]
 
 
