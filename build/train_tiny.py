@@ -205,6 +205,21 @@ class ReadingHead(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits, readings.view(-1), ignore_index=notes_data.NO_DIGIT)
 
 
+def grouped_mm_trains_on(device: torch.device) -> bool:
+    """Whether transformers' grouped_mm experts can train here: they call torch's grouped GEMM
+    outside autocast, on the float32 master weights, and not every build has that with autograd."""
+    from transformers.integrations.moe import _grouped_mm
+    try:
+        weight = torch.randn(2, 16, 16, device=device, requires_grad=True)
+        offsets = torch.tensor([16, 32], device=device, dtype=torch.int32)
+        out = _grouped_mm(torch.randn(32, 16, device=device), weight, offsets)
+        out.square().sum().backward()  # a dense gradient, as training's (sum() would give a stride-0 one)
+        return True
+    except (RuntimeError, NotImplementedError) as e:
+        print(f"grouped_mm experts cannot train on {device} ({e}): using the per-expert loop")
+        return False
+
+
 def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per example: every answer token predicted (teacher forcing) -> bool [B]."""
     pred = logits[:, :-1].argmax(-1)
@@ -266,6 +281,8 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
     # transformers' grouped_mm experts: one grouped GEMM per projection instead of a loop over the
     # experts with a host sync each (half the launches of a step; the same loss). "eager" is the loop.
     experts_implementation = config.text_config._experts_implementation
+    if experts == "grouped_mm" and not grouped_mm_trains_on(dev):
+        experts = "eager"
     config.text_config._experts_implementation = experts
     params = sum(p.numel() for p in model.parameters())
     side = notes_data.IMAGE_SIZE[0] // (config.vision_config.patch_size * config.vision_config.spatial_merge_size)

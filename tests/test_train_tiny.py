@@ -151,3 +151,12 @@ def test_reading_head_reads_each_images_digits_from_its_merged_tokens(tmp_path):
     keep = readings.view(-1) != notes_data.NO_DIGIT
     expected = torch.nn.functional.cross_entropy(logits[keep], readings.view(-1)[keep])
     torch.testing.assert_close(loss.detach(), expected.detach())
+
+
+def test_training_falls_back_to_the_expert_loop_without_grouped_gemm(tmp_path, monkeypatch):
+    from zipmoe.build import train_tiny
+    assert train_tiny.grouped_mm_trains_on(torch.device("cpu"))  # this torch has it on CPU
+    monkeypatch.setattr(train_tiny, "grouped_mm_trains_on", lambda device: False)
+    log = train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+                calibrate_sere=False)
+    assert log["experts"] == "eager"
