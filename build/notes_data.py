@@ -62,7 +62,7 @@ DESCRIBE_QUESTION = "what does image {i} show?"
 
 __all__ = [
     "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "DESCRIBE_QUESTION", "Example",
-    "make_example", "make_describe_example", "describe", "readings", "READING_SLOTS", "NO_DIGIT",
+    "make_example", "make_describe_example", "describe", "READING_SLOTS", "NO_DIGIT",
     "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
 ]
 
@@ -75,6 +75,7 @@ class Example:
     answer: str
     task: str
     seed: int
+    readings: tuple[tuple[int, ...], ...] = ()  # per image, the digits it shows (see _readings)
 
 
 # ----------------------------------------------------------------------------- facts
@@ -353,12 +354,40 @@ def _render(note: _Note, rng: random.Random) -> Image.Image:
 # ----------------------------------------------------------------------------- API
 
 
-def make_example(seed: int) -> Example:
-    """The example for `seed`: task drawn uniformly from TASKS, then facts, then pixels (one RNG)."""
+def _draw(seed: int) -> tuple[random.Random, _Plan, tuple[Image.Image, ...]]:
+    """One RNG for the example of `seed`: facts first, then pixels."""
     rng = random.Random(seed)
     plan = _plan(rng)
-    images = tuple(_render(note, rng) for note in plan.notes)
-    return Example(images, tuple(n.kind for n in plan.notes), plan.question, plan.answer, plan.task, seed)
+    return rng, plan, tuple(_render(note, rng) for note in plan.notes)
+
+
+READING_SLOTS = 8  # digits an image can hold: a receipt's total and up to three items (2 each)
+NO_DIGIT = -100  # cross_entropy's ignore_index
+
+
+def _readings(note: _Note) -> tuple[int, ...]:
+    """The digits `note` shows in READING_SLOTS slots (NO_DIGIT where none): a price's two digits; a
+    receipt's total, then each item's two digits; a table's four cells. Plain images show none."""
+    if note.type == "price_tag":
+        digits = [note.price // 10, note.price % 10]
+    elif note.type == "receipt":
+        digits = [d for v in (note.total, *(value for _, value in note.items)) for d in (v // 10, v % 10)]
+    elif note.type == "table":
+        digits = list(note.cells)
+    else:
+        digits = []
+    return tuple(digits + [NO_DIGIT] * (READING_SLOTS - len(digits)))
+
+
+def _example(plan: _Plan, images, question: str, answer: str, task: str, seed: int) -> Example:
+    return Example(images, tuple(n.kind for n in plan.notes), question, answer, task, seed,
+                   tuple(_readings(n) for n in plan.notes))
+
+
+def make_example(seed: int) -> Example:
+    """The example for `seed`: task drawn uniformly from TASKS, then facts, then pixels (one RNG)."""
+    _, plan, images = _draw(seed)
+    return _example(plan, images, plan.question, plan.answer, plan.task, seed)
 
 
 def describe(note: _Note) -> str:
@@ -376,34 +405,9 @@ def describe(note: _Note) -> str:
 
 def make_describe_example(seed: int) -> Example:
     """The images of make_example(seed), asked what one of them (drawn after the pixels) shows."""
-    rng = random.Random(seed)
-    plan = _plan(rng)
-    images = tuple(_render(note, rng) for note in plan.notes)
+    rng, plan, images = _draw(seed)
     i = rng.randint(1, len(plan.notes))
-    return Example(images, tuple(n.kind for n in plan.notes), DESCRIBE_QUESTION.format(i=i),
-                   describe(plan.notes[i - 1]), "describe", seed)
-
-
-READING_SLOTS = 8  # digits an image can hold: a receipt's total and up to three items (2 each)
-NO_DIGIT = -100  # cross_entropy's ignore_index
-
-
-def readings(seed: int) -> list[list[int]]:
-    """Per image of make_example(seed) (and make_describe_example(seed)), the digits it shows, in
-    READING_SLOTS slots (NO_DIGIT where none): a price's two digits; a receipt's total, then each
-    item's two digits; a table's four cells. Plain images show none. Training's auxiliary target."""
-    out = []
-    for note in _plan(seed).notes:
-        if note.type == "price_tag":
-            digits = [note.price // 10, note.price % 10]
-        elif note.type == "receipt":
-            digits = [d for v in (note.total, *(value for _, value in note.items)) for d in (v // 10, v % 10)]
-        elif note.type == "table":
-            digits = list(note.cells)
-        else:
-            digits = []
-        out.append(digits + [NO_DIGIT] * (READING_SLOTS - len(digits)))
-    return out
+    return _example(plan, images, DESCRIBE_QUESTION.format(i=i), describe(plan.notes[i - 1]), "describe", seed)
 
 
 def split_seed(split: str, index: int) -> int:

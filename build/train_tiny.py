@@ -113,7 +113,7 @@ class NotesDataset(Dataset):
         return {"ids": torch.tensor(ids + answer), "labels": torch.tensor([-100] * len(ids) + answer),
                 "positions": torch.cat([positions, answer_positions], dim=1),
                 "pixels": torch.cat(pixels), "grids": torch.tensor(grids), "task": TRAIN_TASKS.index(ex.task),
-                "readings": torch.tensor(notes_data.readings(seed))}
+                "readings": torch.tensor(ex.readings)}
 
 
 def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
@@ -241,9 +241,9 @@ def validate(model, loader, device) -> dict:
     model.eval()
     losses, hits, counts = [], torch.zeros(len(TRAIN_TASKS)), torch.zeros(len(TRAIN_TASKS))
     for batch in loader:
+        task = batch.pop("task")
+        del batch["readings"]
         batch = {k: v.to(device) for k, v in batch.items()}
-        task = batch.pop("task").cpu()
-        batch.pop("readings")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(**batch)
         losses.append(float(out.loss))
@@ -296,7 +296,8 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
                        persistent_workers=workers > 0)
     train_loader = DataLoader(NotesDataset(out, "train", steps * batch, describe_fraction=describe_fraction), shuffle=False, **loader_args)
     val_loader = DataLoader(NotesDataset(out, "validation", val_examples), **loader_args)
-    opt = torch.optim.AdamW([*model.parameters(), *reading.parameters()], lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
+    trained = [*model.parameters(), *reading.parameters()]
+    opt = torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
                             fused=dev.type == "cuda")
 
     log: dict = {"seed": seed, "size": size, "parameters": params, "batch": batch, "lr": lr, "experts": experts,
@@ -315,7 +316,8 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
         progress = max(step / steps, elapsed / budget)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, progress, lr, warmup=min(200, steps // 10 + 1))
-        data = {k: v.to(dev, non_blocking=True) for k, v in data.items() if k != "task"}
+        del data["task"]
+        data = {k: v.to(dev, non_blocking=True) for k, v in data.items()}
         readings = data.pop("readings")
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(**data, output_router_logits=True).loss
@@ -323,13 +325,13 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
         loss = loss + reading_loss * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)
         # A non-finite step (a bf16 overflow) would poison Adam's moments for good: drop it instead.
         # One sync per step, a small price at this model size.
-        if not torch.isfinite(grad_norm):
+        if torch.isfinite(grad_norm):
+            opt.step()
+        else:
             log["skipped_steps"] += 1
-            continue
-        opt.step()
         if step % 50 == 0:
             log["losses"].append([step, round(loss.item(), 4), round(aux.item(), 4)])  # total, reading head
             bar.set_postfix(loss=f"{loss.item():.3f}", reading=f"{aux.item():.3f}")
