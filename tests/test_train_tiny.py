@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from zipmoe.build import notes_data
 from zipmoe.build.train_tiny import NotesDataset, answer_exact_match, collate, train
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.prompt import ChatPrompt
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke-sized trained checkpoint (a single step) for the tests that only read it."""
+    out = tmp_path_factory.mktemp("smoke")
+    train(out, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
+          calibrate_sere=False)
+    return out
+
+
+def smoke_batch(checkpoint, split: str, n: int, **dataset) -> dict:
+    """The first n examples of a split, collated as training does."""
+    data = NotesDataset(checkpoint, split, n, **dataset)
+    image_token = json.loads((checkpoint / "config.json").read_text())["image_token_id"]
+    return collate([data[i] for i in range(n)], pad_id=0, image_token=image_token)
 
 
 def test_train_smoke_writes_a_servable_checkpoint(tmp_path):
@@ -22,13 +39,11 @@ def test_train_smoke_writes_a_servable_checkpoint(tmp_path):
     assert engine.text.num_experts == 16 and engine.text.top_k == 4
 
 
-def test_dataset_matches_the_server_prompt(tmp_path):
-    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
-          calibrate_sere=False)
-    item = NotesDataset(tmp_path, "validation", 1)[0]
+def test_dataset_matches_the_server_prompt(smoke):
+    item = NotesDataset(smoke, "validation", 1)[0]
     ex = notes_data.make_example(notes_data.split_seed("validation", 0))
-    prompt = ChatPrompt(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
+    prompt = ChatPrompt(smoke)
+    cfg = json.loads((smoke / "config.json").read_text())
     image_token = cfg["image_token_id"]
     server_ids = prompt.encode(ex.question, len(ex.images))
     ids = item["ids"].tolist()
@@ -53,32 +68,25 @@ def test_answer_exact_match_needs_every_answer_token():
     assert answer_exact_match(logits, labels).tolist() == [True, False]
 
 
-def test_positions_match_the_models_own_rope_index(tmp_path):
+def test_positions_match_the_models_own_rope_index(smoke):
     """The workers' mRoPE positions (the engine's splice) equal what the HF model computes itself."""
     from transformers import Qwen3VLMoeForConditionalGeneration
-    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
-          calibrate_sere=False)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    data = NotesDataset(tmp_path, "validation", 3)
-    batch = collate([data[i] for i in range(3)], pad_id=0, image_token=cfg["image_token_id"])
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path)
+    batch = smoke_batch(smoke, "validation", 3)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke)
     expected, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
                                              None, attention_mask=batch["attention_mask"])
     real = batch["attention_mask"].bool()
     assert torch.equal(batch["position_ids"][:, real], expected[:, real])
 
 
-def test_one_grid_vision_shortcuts_match_the_towers_per_image_loops(tmp_path):
+def test_one_grid_vision_shortcuts_match_the_towers_per_image_loops(smoke):
     """Training's batched vision attention and once-built rotary positions give the tower's own result."""
     from transformers import Qwen3VLMoeForConditionalGeneration
     from zipmoe.build.train_tiny import UNIFORM_IMAGE_ATTENTION, one_grid_vision_inputs
-    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
-          calibrate_sere=False)
-    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg = json.loads((smoke / "config.json").read_text())
     assert "_attn_implementation" not in cfg["vision_config"] or cfg["vision_config"]["_attn_implementation"] != UNIFORM_IMAGE_ATTENTION
-    data = NotesDataset(tmp_path, "validation", 2)
-    batch = collate([data[0], data[1]], pad_id=0, image_token=cfg["image_token_id"])
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    batch = smoke_batch(smoke, "validation", 2)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke, dtype=torch.float32).eval()
     visual = model.model.visual
     with torch.no_grad():
         reference = visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
@@ -88,35 +96,29 @@ def test_one_grid_vision_shortcuts_match_the_towers_per_image_loops(tmp_path):
     torch.testing.assert_close(batched, reference, rtol=1e-4, atol=1e-5)
 
 
-def test_describe_examples_are_mixed_in_at_the_asked_share(tmp_path):
+def test_describe_examples_are_mixed_in_at_the_asked_share(smoke):
     from zipmoe.build.train_tiny import TRAIN_TASKS, is_describe
     share = sum(is_describe(k, 0.3) for k in range(1000)) / 1000
     assert abs(share - 0.3) < 0.01
     assert not any(is_describe(k, 0.0) for k in range(1000))
-    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
-          calibrate_sere=False)
-    data = NotesDataset(tmp_path, "train", 20, describe_fraction=0.3)
+    data = NotesDataset(smoke, "train", 20, describe_fraction=0.3)
     tasks = [TRAIN_TASKS[data[i]["task"]] for i in range(20)]
     assert tasks.count("describe") == sum(is_describe(k, 0.3) for k in range(20))
     k = tasks.index("describe")
     ex = notes_data.make_describe_example(notes_data.split_seed("train", k))
-    prompt = ChatPrompt(tmp_path)
+    prompt = ChatPrompt(smoke)
     answer = prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
     assert [t for t in data[k]["labels"].tolist() if t != -100] == answer
     # validation holds the six tasks only
-    assert all(TRAIN_TASKS[NotesDataset(tmp_path, "validation", 20)[i]["task"]] != "describe" for i in range(20))
+    assert all(TRAIN_TASKS[NotesDataset(smoke, "validation", 20)[i]["task"]] != "describe" for i in range(20))
 
 
-def test_grouped_mm_experts_train_like_the_expert_loop(tmp_path):
+def test_grouped_mm_experts_train_like_the_expert_loop(smoke):
     """The experts implementation training uses gives the per-expert loop's loss and gradients."""
     from transformers import Qwen3VLMoeForConditionalGeneration
-    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
-          calibrate_sere=False)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    data = NotesDataset(tmp_path, "train", 3, describe_fraction=0.3)
-    batch = collate([data[i] for i in range(3)], pad_id=0, image_token=cfg["image_token_id"])
+    batch = smoke_batch(smoke, "train", 3, describe_fraction=0.3)
     batch.pop("task"), batch.pop("readings")
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke, dtype=torch.float32)
     results = []
     for experts in ("eager", "grouped_mm"):
         model.config.text_config._experts_implementation = experts
@@ -128,16 +130,13 @@ def test_grouped_mm_experts_train_like_the_expert_loop(tmp_path):
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
 
 
-def test_reading_head_reads_each_images_digits_from_its_merged_tokens(tmp_path):
+def test_reading_head_reads_each_images_digits_from_its_merged_tokens(smoke):
     from transformers import Qwen3VLMoeForConditionalGeneration
     from zipmoe.build.train_tiny import ReadingHead
-    train(tmp_path, size="smoke", steps=1, batch=1, minutes=5, device="cpu", workers=0, val_examples=1,
-          calibrate_sere=False)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    data = NotesDataset(tmp_path, "train", 4)
-    batch = collate([data[i] for i in range(4)], pad_id=0, image_token=cfg["image_token_id"])
+    cfg = json.loads((smoke / "config.json").read_text())
+    batch = smoke_batch(smoke, "train", 4)
     assert batch["readings"].shape == (batch["image_grid_thw"].shape[0], notes_data.READING_SLOTS)
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke, dtype=torch.float32)
     head = ReadingHead(model.model.visual, 16, cfg["vision_config"]["out_hidden_size"])
     readings = batch.pop("readings")
     batch.pop("task")
