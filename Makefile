@@ -1,5 +1,6 @@
 # Two commands for a fresh machine:  make demo   |   make test
-# Both create .venv, install the pinned dependencies and build the tiny checkpoint first.
+# Both create .venv and install the pinned dependencies; the demo runs the trained checkpoint committed
+# in checkpoints/notes, the tests build the tiny random checkpoint first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,8 +26,9 @@ $(CHECKPOINT)/zipmoe_build.json: $(STAMP) build/tiny_checkpoint.py
 $(CHECKPOINT)/sere.safetensors: $(CHECKPOINT)/zipmoe_build.json build/sere_calibrate.py
 	$(VENV)/bin/zipmoe calibrate $(CHECKPOINT) --device cpu
 
-demo: checkpoint
-	$(VENV)/bin/zipmoe demo --checkpoint $(CHECKPOINT)
+# The demo runs the trained checkpoint committed in checkpoints/notes (build/train_tiny.py made it).
+demo: $(STAMP)
+	$(VENV)/bin/zipmoe demo
 
 test: checkpoint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,16 +1,19 @@
 """Exact-match accuracy of mm_qa on a notes_data split, per VisionZip keep ratio and decode routing.
 
-    zipmoe eval [--checkpoint DIR] [--split test] [--n 200] [--concurrency 16] [--max-tokens 8]
+    zipmoe eval [--checkpoint checkpoints/notes] [--split test] [--n 200] [--concurrency 16] [--max-tokens 8]
                 [--settings full|quick] [--out docs/results/quality]
     python -m zipmoe.clients.eval_quality ...      (the same arguments)
 
 Two sweeps through the real server, greedy decoding:
-  (a) keep ratio 1.0, 0.7, 0.6, 0.5, 0.3 with routing topk;
-  (b) at keep 1.0: truncate to the first 2 experts ("top2"), sere for K' in {1, 2} x rho in
-      {0.0, 0.3, 0.5} x protect on/off, oea (k0 = 2); topk at keep 1.0 is shared with (a).
+  (a) keep ratio 1.0, 0.7, 0.6, 0.5, 0.3 with routing topk, the images sharing the budget by
+      their distinct tokens (vision_encoder's default); again at 0.7-0.3 sharing it by size;
+  (b) at keep 1.0: truncate to the first 1 or 2 experts ("top1", "top2"), sere for K' in {1, 2}
+      x rho in {0.0, 0.3, 0.5} x protect on/off, oea (k0 = 2); topk at keep 1.0 is shared with (a).
 `quick` runs topk at keep 1.0 and 0.5, top2 and sere K'=2 rho=0.5 protect on (a smoke test).
-One tritonserver per routing configuration; all examples of a setting go with --concurrency requests
-in flight, so decode batches are real. A request that fails counts as wrong and is reported.
+One tritonserver per configuration; all examples of a setting go with --concurrency requests in
+flight, so decode batches are real. A request that fails counts as wrong and is reported. Each
+row also gives what decode routing did, from the server's counters: distinct experts per MoE
+layer-step as routed and as computed, and slots moved per generated token.
 
 Writes OUT.json (after every server, so a long run keeps what it measured), OUT.png when matplotlib
 is importable (the `bench` extra), and prints a table.
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zipmoe import serve
+from zipmoe.clients.triton_client import scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "checkpoints" / "tiny"
@@ -37,53 +41,61 @@ SERE_PRIMARY_K = (1, 2)
 SERE_RHO = (0.0, 0.3, 0.5)
 SERE_PROTECT = (True, False)
 HEADLINE_KEEP = 0.6  # top-level tokens_kept is reported at this keep ratio when it ran
+DEFAULT_BUDGET = "distinct"  # vision_encoder's budget_weighting in model_repository
 
 
 # ---------------------------------------------------------------------------------------- settings
 
 @dataclass(frozen=True)
-class Routing:
-    """A decode routing configuration of moe_decoder: one server each."""
-    name: str  # as reported: topk | top2 | sere | oea
+class Setting:
+    """One server's configuration: moe_decoder's decode routing and how vision_encoder's images
+    share the VisionZip budget."""
+    name: str  # routing as reported: topk | top1 | top2 | sere | oea
     policy: str  # moe_decoder's routing_policy
     params: tuple[tuple[str, str], ...] = ()  # further moe_decoder parameters
     primary_k: int | None = None
     rho: float | None = None
     protect: bool | None = None
+    budget: str = DEFAULT_BUDGET  # vision_encoder's budget_weighting
 
     @property
     def overrides(self) -> dict[str, dict[str, str]]:
-        return {"moe_decoder": {"routing_policy": self.policy, **dict(self.params)}}
+        return {"moe_decoder": {"routing_policy": self.policy, **dict(self.params)},
+                "vision_encoder": {"budget_weighting": self.budget}}
 
     @property
     def fields(self) -> dict:
-        """The row fields naming this routing."""
-        return {"routing": self.name, "primary_k": self.primary_k, "rho": self.rho, "protect": self.protect}
+        """The row fields naming this setting."""
+        return {"routing": self.name, "primary_k": self.primary_k, "rho": self.rho, "protect": self.protect,
+                "budget": self.budget}
 
     @property
     def slug(self) -> str:
         """A file-name-safe name: server-<slug>.log."""
-        if self.name != "sere":
-            return self.name
-        return f"sere-k{self.primary_k}-rho{self.rho}-{'protect' if self.protect else 'noprotect'}"
+        name = (self.name if self.name != "sere" else
+                f"sere-k{self.primary_k}-rho{self.rho}-{'protect' if self.protect else 'noprotect'}")
+        return name if self.budget == DEFAULT_BUDGET else f"{name}-budget-{self.budget}"
 
 
-TOPK = Routing("topk", "topk")
-TOP2 = Routing("top2", "truncate", (("truncate_k", "2"),), primary_k=2)
-OEA = Routing("oea", "oea", (("oea_k0", "2"),), primary_k=2)
+TOPK = Setting("topk", "topk")
+TOPK_BY_SIZE = Setting("topk", "topk", budget="size")
+TOP1 = Setting("top1", "truncate", (("truncate_k", "1"),), primary_k=1)
+TOP2 = Setting("top2", "truncate", (("truncate_k", "2"),), primary_k=2)
+OEA = Setting("oea", "oea", (("oea_k0", "2"),), primary_k=2)
 
 
-def sere(primary_k: int, rho: float, protect: bool) -> Routing:
-    return Routing("sere", "sere", (("sere_primary_k", str(primary_k)), ("sere_threshold", str(rho)),
+def sere(primary_k: int, rho: float, protect: bool) -> Setting:
+    return Setting("sere", "sere", (("sere_primary_k", str(primary_k)), ("sere_threshold", str(rho)),
                                     ("sere_protect", "true" if protect else "false")), primary_k, rho, protect)
 
 
-def plan(settings: str) -> list[tuple[Routing, tuple[float, ...]]]:
-    """(routing, keep ratios run on its server) in run order; topk at keep 1.0 serves both sweeps."""
+def plan(settings: str) -> list[tuple[Setting, tuple[float, ...]]]:
+    """(setting, keep ratios run on its server) in run order; topk at keep 1.0 serves both sweeps
+    (at keep 1.0 nothing is dropped, so the budget weighting does not matter there)."""
     if settings == "quick":
         return [(TOPK, (1.0, 0.5)), (TOP2, (1.0,)), (sere(2, 0.5, True), (1.0,))]
     if settings == "full":
-        return ([(TOPK, KEEP_RATIOS), (TOP2, (1.0,))]
+        return ([(TOPK, KEEP_RATIOS), (TOPK_BY_SIZE, KEEP_RATIOS[1:]), (TOP1, (1.0,)), (TOP2, (1.0,))]
                 + [(sere(k, rho, p), (1.0,)) for k in SERE_PRIMARY_K for rho in SERE_RHO for p in SERE_PROTECT]
                 + [(OEA, (1.0,))])
     raise ValueError(f"settings must be full or quick, got {settings!r}")
@@ -171,14 +183,14 @@ def accuracy(items: list[Item], answers: list[Answer]) -> tuple[float, dict[str,
 
 
 class TokenTally:
-    """Mean visual_tokens_kept per image, by image kind, per keep ratio (successful requests whose
-    counts match their images)."""
+    """Mean visual_tokens_kept per image, by image kind, per budget weighting and keep ratio
+    (successful requests whose counts match their images)."""
 
     def __init__(self) -> None:
-        self.sums: dict[float, dict[str, list[float]]] = {}
+        self.sums: dict[tuple[str, float], dict[str, list[float]]] = {}
 
-    def add(self, keep_ratio: float, items: list[Item], answers: list[Answer]) -> None:
-        kinds = self.sums.setdefault(float(keep_ratio), {k: [0.0, 0] for k in KINDS})
+    def add(self, keep_ratio: float, items: list[Item], answers: list[Answer], budget: str = DEFAULT_BUDGET) -> None:
+        kinds = self.sums.setdefault((budget, float(keep_ratio)), {k: [0.0, 0] for k in KINDS})
         for item, a in zip(items, answers, strict=True):
             if a.error is not None or len(a.kept) != len(item.kinds):
                 continue
@@ -187,62 +199,93 @@ class TokenTally:
                 s[0] += n
                 s[1] += 1
 
-    def means(self, keep_ratio: float) -> dict[str, float | None]:
+    def means(self, keep_ratio: float, budget: str = DEFAULT_BUDGET) -> dict[str, float | None]:
         return {kind: (total / count if count else None)
-                for kind, (total, count) in self.sums[float(keep_ratio)].items()}
+                for kind, (total, count) in self.sums[(budget, float(keep_ratio))].items()}
 
-    def by_keep(self) -> dict[str, dict[str, float | None]]:
-        return {keep_key(k): self.means(k) for k in sorted(self.sums, reverse=True)}
+    def by_keep(self, budget: str = DEFAULT_BUDGET) -> dict[str, dict[str, float | None]]:
+        keeps = sorted((k for b, k in self.sums if b == budget), reverse=True)
+        return {keep_key(k): self.means(k, budget) for k in keeps}
+
+    def by_budget(self) -> dict[str, dict[str, dict[str, float | None]]]:
+        """Other weightings than the default, each by keep ratio."""
+        return {b: self.by_keep(b) for b in sorted({b for b, _ in self.sums} - {DEFAULT_BUDGET})}
 
     def headline(self) -> dict[str, float | None]:
-        """At HEADLINE_KEEP when it ran, else at the smallest keep ratio run."""
-        if not self.sums:
+        """Default weighting, at HEADLINE_KEEP when it ran, else at the smallest keep ratio run."""
+        keeps = [k for b, k in self.sums if b == DEFAULT_BUDGET]
+        if not keeps:
             return {kind: None for kind in KINDS}
-        return self.means(HEADLINE_KEEP if HEADLINE_KEEP in self.sums else min(self.sums))
+        return self.means(HEADLINE_KEEP if HEADLINE_KEEP in keeps else min(keeps))
 
 
 def keep_key(keep_ratio: float) -> str:
     return repr(float(keep_ratio))  # 1.0 -> "1.0", 0.6 -> "0.6"
 
 
-def make_row(routing: Routing, keep_ratio: float, items: list[Item], answers: list[Answer],
-             seconds: float) -> dict:
+ROUTING_COUNTERS = ("zipmoe_moe_layer_steps_total", "zipmoe_moe_union_before_total", "zipmoe_moe_union_after_total",
+                    "zipmoe_moe_rerouted_slots_total", "zipmoe_decode_tokens_total")
+
+
+def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What decode routing did between two scrapes of the server's counters: distinct experts per
+    MoE layer-step as the router chose them and as computed (the weights read), and token slots
+    moved to another expert per generated token (all layers). None where nothing was decoded."""
+    d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in ROUTING_COUNTERS}
+    steps, tokens = d["zipmoe_moe_layer_steps_total"], d["zipmoe_decode_tokens_total"]
+    return {"experts_routed": d["zipmoe_moe_union_before_total"] / steps if steps else None,
+            "experts_read": d["zipmoe_moe_union_after_total"] / steps if steps else None,
+            "moved_per_token": d["zipmoe_moe_rerouted_slots_total"] / tokens if tokens else None}
+
+
+def make_row(setting: Setting, keep_ratio: float, items: list[Item], answers: list[Answer], seconds: float,
+             effect: dict[str, float | None] | None = None) -> dict:
     acc, by_task = accuracy(items, answers)
     errors = [a.error for a in answers if a.error is not None]
-    return {"keep_ratio": float(keep_ratio), **routing.fields, "accuracy": acc, "by_task": by_task,
-            "seconds": round(seconds, 3), "failed": len(errors), "first_error": errors[0] if errors else None}
+    effect = effect or routing_effect({}, {})
+    return {"keep_ratio": float(keep_ratio), **setting.fields, "accuracy": acc, "by_task": by_task,
+            "seconds": round(seconds, 3), "failed": len(errors), "first_error": errors[0] if errors else None,
+            **{k: None if v is None else round(v, 3) for k, v in effect.items()}}
 
 
 def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: TokenTally) -> dict:
     return {"split": split, "n": n, "checkpoint": checkpoint, "rows": rows, "tokens_kept": tally.headline(),
-            "tokens_kept_by_keep": tally.by_keep()}
+            "tokens_kept_by_keep": tally.by_keep(), "tokens_kept_by_budget": tally.by_budget()}
 
 
 # ------------------------------------------------------------------------------------------ reports
 
 def row_label(row: dict) -> str:
     if row["routing"] == "sere":
-        return f"sere K'={row['primary_k']} ρ={row['rho']:g} {'+P' if row['protect'] else '-P'}"
-    if row["routing"] == "oea":
-        return f"oea k0={row['primary_k']}"
-    return row["routing"]
+        label = f"sere K'={row['primary_k']} ρ={row['rho']:g} {'+P' if row['protect'] else '-P'}"
+    elif row["routing"] == "oea":
+        label = f"oea k0={row['primary_k']}"
+    else:
+        label = row["routing"]
+    return label if row.get("budget", DEFAULT_BUDGET) == DEFAULT_BUDGET else f"{label}, budget by {row['budget']}"
 
 
 def table(result: dict) -> str:
     def fmt(v, spec=""):
         return "-" if v is None else format(v, spec)
 
-    head = ("keep", "routing", "K'", "rho", "protect", "accuracy", "failed", "seconds")
-    lines = [f"{result['checkpoint']}, split {result['split']}, n={result['n']}",
-             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>6} {:>8}  by task".format(*head)]
+    head = ("keep", "routing", "K'", "rho", "protect", "budget", "accuracy", "failed", "seconds", "routed", "read",
+            "moved")
+    lines = [f"{result['checkpoint']}, split {result['split']}, n={result['n']}  (routed/read: distinct experts per "
+             f"MoE layer-step; moved: slots re-routed per generated token)",
+             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>6} {:>6}  by task".format(*head)]
     for r in result["rows"]:
         tasks = " ".join(f"{t}={v:.2f}" for t, v in r["by_task"].items())
         protect = None if r["protect"] is None else ("on" if r["protect"] else "off")
         lines.append(f"{r['keep_ratio']:>5.2f} {r['routing']:<8} {fmt(r['primary_k']):>3} {fmt(r['rho'], 'g'):>4} "
-                     f"{fmt(protect):>7} {r['accuracy']:>8.3f} {r['failed']:>6} {r['seconds']:>8.1f}  {tasks}")
-    lines.append("visual tokens kept per image (mean): " + "; ".join(
-        f"keep {k}: " + ", ".join(f"{kind} {fmt(v, '.1f')}" for kind, v in kinds.items())
-        for k, kinds in result["tokens_kept_by_keep"].items()))
+                     f"{fmt(protect):>7} {r['budget']:>8} {r['accuracy']:>8.3f} {r['failed']:>6} {r['seconds']:>8.1f} "
+                     f"{fmt(r['experts_routed'], '.2f'):>6} {fmt(r['experts_read'], '.2f'):>6} "
+                     f"{fmt(r['moved_per_token'], '.2f'):>6}  {tasks}")
+    budgets = {DEFAULT_BUDGET: result["tokens_kept_by_keep"], **result["tokens_kept_by_budget"]}
+    for budget, by_keep in budgets.items():
+        lines.append(f"visual tokens kept per image (mean), budget by {budget}: " + "; ".join(
+            f"keep {k}: " + ", ".join(f"{kind} {fmt(v, '.1f')}" for kind, v in kinds.items())
+            for k, kinds in by_keep.items()))
     for r in result["rows"]:
         if r["failed"]:
             lines.append(f"keep {r['keep_ratio']} {row_label(r)}: {r['failed']} requests failed, first: "
@@ -251,7 +294,8 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> bool:
-    """Bar charts of accuracy: (a) keep ratios at topk, (b) routings at keep 1.0. False without matplotlib."""
+    """Bar charts of accuracy: (a) keep ratios at topk, one bar per budget weighting, (b) routings at
+    keep 1.0. False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -259,25 +303,38 @@ def plot(result: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keep_rows = sorted((r for r in result["rows"] if r["routing"] == "topk"), key=lambda r: -r["keep_ratio"])
+    topk = [r for r in result["rows"] if r["routing"] == "topk"]
+    keeps = sorted({r["keep_ratio"] for r in topk}, reverse=True)
+    budgets = [DEFAULT_BUDGET] + sorted({r["budget"] for r in topk} - {DEFAULT_BUDGET})
     routing_rows = [r for r in result["rows"] if r["keep_ratio"] == 1.0]
-    panels = [(keep_rows, [f"{r['keep_ratio']:.1f}" for r in keep_rows], "(a) VisionZip keep ratio, routing topk",
-               "keep ratio"),
-              (routing_rows, [row_label(r) for r in routing_rows], "(b) decode routing, keep 1.0", "routing")]
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 0.55 * len(result["rows"]), 4.8), squeeze=False,
-                             gridspec_kw={"width_ratios": [max(1, len(keep_rows)), max(1, len(routing_rows))]})
-    for ax, (rows, labels, title, xlabel) in zip(axes[0], panels):
-        bars = ax.bar(range(len(rows)), [r["accuracy"] for r in rows],
-                      color=["tab:blue" if r["routing"] == "topk" else "tab:orange" for r in rows])
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 0.55 * (len(keeps) * len(budgets) + len(routing_rows)), 4.8),
+                             squeeze=False, gridspec_kw={"width_ratios": [max(1, len(keeps) * len(budgets)),
+                                                                          max(1, len(routing_rows))]})
+    ax = axes[0][0]
+    width = 0.8 / len(budgets)
+    for j, budget in enumerate(budgets):
+        acc = {r["keep_ratio"]: r["accuracy"] for r in topk if r["budget"] == budget}
+        xs = [i for i, k in enumerate(keeps) if k in acc]
+        bars = ax.bar([x + (j - (len(budgets) - 1) / 2) * width for x in xs], [acc[keeps[x]] for x in xs], width,
+                      label=f"budget by {budget}")
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.set_xticks(range(len(rows)), labels, rotation=0 if xlabel == "keep ratio" else 45,
-                      ha="center" if xlabel == "keep ratio" else "right", fontsize=8)
+    ax.set_xticks(range(len(keeps)), [f"{k:.1f}" for k in keeps], fontsize=8)
+    ax.set_xlabel("keep ratio")
+    ax.set_title("(a) VisionZip keep ratio, routing topk", fontsize=10)
+    if len(budgets) > 1:
+        ax.legend(fontsize=7, loc="lower left")
+    ax = axes[0][1]
+    bars = ax.bar(range(len(routing_rows)), [r["accuracy"] for r in routing_rows],
+                  color=["tab:blue" if r["routing"] == "topk" else "tab:orange" for r in routing_rows])
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(routing_rows)), [row_label(r) for r in routing_rows], rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("routing")
+    ax.set_title("(b) decode routing, keep 1.0", fontsize=10)
+    for ax, rows in ((axes[0][0], topk), (axes[0][1], routing_rows)):
         ax.set_ylim(0, 1.05)
+        ax.grid(axis="y", alpha=0.3)
         if not rows:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
-        ax.set_xlabel(xlabel)
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("exact-match accuracy")
     fig.suptitle(f"{result['checkpoint']}: {result['split']} split, n={result['n']}", fontsize=10)
     fig.tight_layout()
@@ -296,10 +353,10 @@ def _write_json(result: dict, path: Path) -> None:
 # ------------------------------------------------------------------------------------------ running
 
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
-    """The given directory; the tiny one (built when needed) by default."""
+    """The given directory (the tiny one is built when needed); the trained one by default."""
     from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 
-    path = TINY if checkpoint is None else Path(checkpoint).expanduser()
+    path = serve.TRAINED_CHECKPOINT if checkpoint is None else Path(checkpoint).expanduser()
     if path.resolve() == TINY.resolve():
         return build_tiny_checkpoint(TINY)
     if not path.is_dir():
@@ -331,12 +388,12 @@ def _display(path: Path) -> str:
 
 
 def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int = 200, concurrency: int = 16,
-             max_tokens: int = 8, settings: str | list[tuple[Routing, tuple[float, ...]]] = "full",
+             max_tokens: int = 8, settings: str | list[tuple[Setting, tuple[float, ...]]] = "full",
              out: str | Path | None = DEFAULT_OUT,
              log_dir: str | Path | None = None, items: list[Item] | None = None,
              repository: str | Path = serve.DEFAULT_REPOSITORY, ready_timeout: float = 1800) -> dict:
-    """Runs the plan (one server per routing), writes OUT.json / OUT.png when `out` is given, prints
-    a table; returns the result dict. `settings`: full | quick, or the plan itself, [(routing, keep
+    """Runs the plan (one server per setting), writes OUT.json / OUT.png when `out` is given, prints
+    a table; returns the result dict. `settings`: full | quick, or the plan itself, [(setting, keep
     ratios)]; `items` replaces the split's examples."""
     steps = plan(settings) if isinstance(settings, str) else list(settings)
     checkpoint = resolve_checkpoint(checkpoint)
@@ -355,23 +412,25 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
 
     rows: list[dict] = []
     tally = TokenTally()
-    for routing, keeps in steps:
-        log = log_dir / f"server-{routing.slug}.log"
+    for setting, keeps in steps:
+        log = log_dir / f"server-{setting.slug}.log"
         ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
         try:
             with serve.TritonServer(repository, checkpoint=str(checkpoint), log_path=log,
-                                    overrides=routing.overrides, **ports) as server:
+                                    overrides=setting.overrides, **ports) as server:
                 server.wait_ready(timeout=ready_timeout)
                 for keep in keeps:
+                    before = scrape_metrics(server.url_metrics)
                     answers, seconds = run_setting(server.url_grpc, items, keep, concurrency, max_tokens)
-                    row = make_row(routing, keep, items, answers, seconds)
-                    tally.add(keep, items, answers)
+                    effect = routing_effect(before, scrape_metrics(server.url_metrics))
+                    row = make_row(setting, keep, items, answers, seconds, effect)
+                    tally.add(keep, items, answers, setting.budget)
                     rows.append(row)
                     print(f"keep {keep_key(keep)} {row_label(row)}: accuracy {row['accuracy']:.3f} ({seconds:.1f} s)"
                           + (f", {row['failed']} failed: {row['first_error']} (server log: {log})"
                              if row["failed"] else ""), flush=True)
         except BaseException:
-            print(f"stopped at routing {row_label(routing.fields)}; server log: {log}", file=sys.stderr, flush=True)
+            print(f"stopped at {row_label(setting.fields)}; server log: {log}", file=sys.stderr, flush=True)
             raise
         result = result_json(split, len(items), _display(checkpoint), rows, tally)
         if json_path is not None:
@@ -390,7 +449,7 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: checkpoints/tiny, built)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: checkpoints/notes, trained)")
     p.add_argument("--split", default="test", help="notes_data split (default: test)")
     p.add_argument("--n", type=int, default=200, help="examples (default: 200)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")

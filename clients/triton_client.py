@@ -131,3 +131,14 @@ def http_generate_stream(url: str, model: str = "mm_qa", timeout: float = 300, *
                     yield _http_result(json.loads(line[5:]))
     except urllib.error.HTTPError as e:
         raise ServerError(json.loads(e.read() or b"{}").get("error", str(e))) from None
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """zipmoe_* counters from the metrics endpoint, summed over labels."""
+    totals: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("zipmoe_"):
+                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+                totals[name] = totals.get(name, 0.0) + value
+    return totals

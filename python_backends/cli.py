@@ -5,13 +5,12 @@ import argparse
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from . import serve
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "checkpoints" / "tiny"
+DEMO_EXAMPLE = ("test", 35)  # notes_data split and index of the demo's question
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "random_seed")
 
 
@@ -42,7 +41,8 @@ def _inputs(args, images: list[bytes] = ()) -> dict:
 
 
 def stream_answer(url: str, inputs: dict, protocol: str = "grpc", out=sys.stdout) -> dict:
-    """Prints the answer as it streams; returns counts and client-side TTFT / TPOT."""
+    """Prints the answer as it streams; returns the last response's counts, the whole text ("text")
+    and client-side TTFT / TPOT."""
     from zipmoe.clients.triton_client import grpc_generate, http_generate_stream
 
     if protocol == "http" and inputs.get("images"):
@@ -51,28 +51,21 @@ def stream_answer(url: str, inputs: dict, protocol: str = "grpc", out=sys.stdout
     start = time.perf_counter()
     first = last = None
     final: dict = {}
+    text = ""
     for r in gen(url, stream=True, **inputs):
         last = time.perf_counter()
         first = first or last
-        out.write(r.get("text_output", ""))
+        delta = r.get("text_output", "")
+        out.write(delta)
         out.flush()
+        text += delta
         final = r
     out.write("\n")
     n = final.get("output_token_count") or 0
+    final["text"] = text
     final["client_ttft_ms"] = (first - start) * 1e3 if first else None
     final["client_tpot_ms"] = (last - first) * 1e3 / (n - 1) if first and n > 1 else None
     return final
-
-
-def scrape_metrics(url: str) -> dict[str, float]:
-    """zipmoe_* counters from the metrics endpoint, summed over labels."""
-    totals: dict[str, float] = {}
-    with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("zipmoe_"):
-                name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-                totals[name] = totals.get(name, 0.0) + value
-    return totals
 
 
 def cmd_ask(args) -> int:
@@ -89,20 +82,34 @@ def cmd_ask(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    from zipmoe.build.demo_images import plain_png, receipt_png
-    from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
+def demo_example():
+    """The demo's question: five notes (a triangle, a circle, a receipt, a solid colour, a table of
+    digits), asking for the receipt's total (58); a test-split example, never seen in training."""
+    from zipmoe.build import notes_data
 
-    checkpoint = Path(args.checkpoint) if args.checkpoint else build_tiny_checkpoint(TINY)
+    return notes_data.make_example(notes_data.split_seed(*DEMO_EXAMPLE))
+
+
+def cmd_demo(args) -> int:
+    from zipmoe.build import notes_data
+    from zipmoe.clients.triton_client import scrape_metrics
+    from zipmoe.clients.eval_quality import exact_match
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else serve.TRAINED_CHECKPOINT
+    example = demo_example()
+    own = args.question is not None or bool(args.image)  # no reference answer for the user's own question
+    args.question = args.question or example.question
+    images = [] if args.image else [notes_data.png_bytes(im) for im in example.images]
+    shown = (f"{len(args.image)} image(s) of yours" if args.image else
+             f"{len(images)} notes: " + ", ".join(example.kinds))
     ports = [serve.free_port() for _ in range(3)]
     log = Path(tempfile.gettempdir()) / "zipmoe-demo-server.log"
-    print(f"starting tritonserver (log: {log}) ...", flush=True)
+    print(f"starting tritonserver on {checkpoint} (log: {log}) ...", flush=True)
     with serve.TritonServer(serve.DEFAULT_REPOSITORY, *ports, checkpoint=str(checkpoint), log_path=log) as server:
         models = server.wait_ready()
-        print(f"ready: {', '.join(models)}\n\nQ (a receipt + a plain picture): {args.question}\nA: ", end="",
-              flush=True)
+        print(f"ready: {', '.join(models)}\n\nQ ({shown}): {args.question}\nA: ", end="", flush=True)
         before = scrape_metrics(server.url_metrics)
-        r = stream_answer(server.url_grpc, _inputs(args, [receipt_png(), plain_png()]))
+        r = stream_answer(server.url_grpc, _inputs(args, images))
         after = scrape_metrics(server.url_metrics)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     tokens = d.get("zipmoe_decode_tokens_total", 0)
@@ -111,7 +118,11 @@ def cmd_demo(args) -> int:
     print(f"\n{r['input_token_count']} prompt tokens, {r['output_token_count']} generated "
           f"(finish: {r['finish_reason']}); visual tokens kept per image: {r['visual_tokens_kept']}")
     print(f"server: TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms   client: TTFT {r['client_ttft_ms']:.1f} ms")
-    return 0
+    if own:
+        return 0
+    right = exact_match(r["text"], example.answer)
+    print(f"expected: {example.answer} -> {'right' if right else 'WRONG'}")
+    return 0 if right else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,12 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_images(p)
     p.set_defaults(func=cmd_ask)
 
-    p = sub.add_parser("demo", help="build the tiny checkpoint, start a server, ask, print TTFT/TPOT, stop")
-    p.add_argument("question", nargs="?", default="Which note mentions the cheapest coffee, and what does it cost?")
-    p.add_argument("--checkpoint", default=None, help="HF directory (default: build the tiny one)")
+    p = sub.add_parser("demo", help="start a server on the trained checkpoint, ask about five notes, print "
+                                    "TTFT/TPOT and whether the answer is right, stop")
+    p.add_argument("question", nargs="?", default=None,
+                   help="your own question about the demo's notes (default: the demo's, checked against its answer)")
+    p.add_argument("--checkpoint", default=None,
+                   help=f"HF directory (default: {serve.TRAINED_CHECKPOINT.relative_to(REPO)})")
     _add_sampling(p)
     _add_images(p)
-    p.set_defaults(func=cmd_demo, max_tokens=48)
+    p.set_defaults(func=cmd_demo)
 
     sub.add_parser("calibrate", help="SERE calibration: write sere.safetensors beside a checkpoint (--help)")
 

@@ -30,6 +30,8 @@ from collections import deque
 from pathlib import Path
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+# The trained notes checkpoint (build/train_tiny.py), committed: what the demo and `zipmoe eval` use.
+TRAINED_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "notes"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
 
 

@@ -18,7 +18,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 
 from .checkpoint import TensorStore
 from .kernels.attention_importance import patch_importance_triton
-from .visionzip import ImageFeatures, merged_importance, patch_importance
+from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, patch_importance, weigh_images
 
 VISUAL_PREFIX = "model.visual."
 
@@ -35,7 +35,9 @@ def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torc
 
 
 class VisionEncoder:
-    def __init__(self, checkpoint: str | Path, device: torch.device, dtype: torch.dtype, importance_layer: int = -1):
+    def __init__(self, checkpoint: str | Path, device: torch.device, dtype: torch.dtype, importance_layer: int = -1,
+                 budget_weighting: str = "distinct"):
+        self.budget_weighting = check_budget_weighting(budget_weighting)  # fails at load, not per request
         checkpoint = Path(checkpoint)
         config = Qwen3VLMoeConfig.from_pretrained(checkpoint)
         vcfg = config.vision_config
@@ -79,6 +81,7 @@ class VisionEncoder:
         c, self._captured = self._captured, {}  # do not keep the batch's q/k alive until the next call
         importance_fn = patch_importance_triton if c["q"].is_cuda else patch_importance  # never an N_i x N_i matrix
         importance = merged_importance(importance_fn(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
+        importance = weigh_images(importance, embeds, self.budget_weighting)  # how images share the budget
         keys = c["k"].float().mean(1)  # [P, d]: head-averaged keys ...
         keys = keys.reshape(-1, unit, keys.shape[-1]).mean(1)  # ... averaged over each merged token's patches
         # Token selection is small and branchy: it runs on the host, one copy of [N] + [N, d] values.

@@ -42,6 +42,41 @@ def patch_importance(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float) -> 
     return out
 
 
+def distinct_token_count(embeds: Tensor) -> Tensor:
+    """Effective number of distinct tokens among one image's merged embeddings [N, D]: the
+    participation ratio N^2 / ||G||_F^2 of the Gram matrix G of the unit-normalised rows. N when
+    they are mutually orthogonal, 1 when all point the same way (a solid background). Computed
+    through the smaller of X X^T and X^T X (same Frobenius norm); returns a 0-dim float32 tensor."""
+    x = F.normalize(embeds.float(), dim=-1)
+    gram = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+    return x.shape[0] ** 2 / gram.square().sum()
+
+
+BUDGET_WEIGHTINGS = ("distinct", "size")
+
+
+def check_budget_weighting(weighting: str) -> str:
+    if weighting not in BUDGET_WEIGHTINGS:
+        raise ValueError(f"budget weighting must be one of {BUDGET_WEIGHTINGS}, got {weighting!r}")
+    return weighting
+
+
+def weigh_images(importance: Tensor, embeds: list[Tensor], weighting: str) -> Tensor:
+    """Scales each image's merged-token importance (packed [sum N_i], each image summing to
+    merge * N_i) by how much of the global budget the image may claim.
+
+    size: unchanged, every token counts (the paper's per-image normalisation). With images of
+    one size the budget then follows only the shape of each image's attention, whatever the image
+    shows. distinct: image i's mass becomes merge * D_i (`distinct_token_count`), so tokens that
+    repeat one another (a plain background, a flat colour) claim little of the shared budget and
+    detail-dense images (text, tables) keep more."""
+    if check_budget_weighting(weighting) == "size" or not embeds:
+        return importance
+    share = torch.stack([distinct_token_count(e) / e.shape[0] for e in embeds]).to(importance.device)
+    sizes = torch.tensor([e.shape[0] for e in embeds], device=importance.device)
+    return importance * share.repeat_interleave(sizes)
+
+
 def merged_importance(patch_imp: Tensor, merge: int = 4) -> Tensor:
     """[P] -> [P // merge]: a merged token's importance is the sum over its `merge` patches
     (consecutive in Qwen's flatten order)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from test_images_server import note
-from zipmoe.cli import scrape_metrics
+from zipmoe.clients.triton_client import scrape_metrics
 from zipmoe.clients.triton_client import ServerError, grpc_generate
 
 pytestmark = pytest.mark.integration

@@ -9,19 +9,23 @@ import pytest
 from zipmoe import cli, serve
 from zipmoe.clients import eval_quality as eq
 from zipmoe.clients.eval_quality import Answer, Item
+from zipmoe.clients.triton_client import scrape_metrics
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
-ROW_KEYS = {"keep_ratio", "routing", "primary_k", "rho", "protect", "accuracy", "by_task", "seconds", "failed",
-            "first_error"}
+ROW_KEYS = {"keep_ratio", "routing", "primary_k", "rho", "protect", "budget", "accuracy", "by_task", "seconds",
+            "failed", "first_error", "experts_routed", "experts_read", "moved_per_token"}
 
 
 def check_schema(result: dict, n: int) -> None:
-    assert set(result) == {"split", "n", "checkpoint", "rows", "tokens_kept", "tokens_kept_by_keep"}
+    assert set(result) == {"split", "n", "checkpoint", "rows", "tokens_kept", "tokens_kept_by_keep",
+                           "tokens_kept_by_budget"}
     assert result["n"] == n and isinstance(result["split"], str) and isinstance(result["checkpoint"], str)
     for row in result["rows"]:
         assert set(row) == ROW_KEYS
         assert 0.0 <= row["accuracy"] <= 1.0 and all(0.0 <= v <= 1.0 for v in row["by_task"].values())
         assert row["seconds"] >= 0 and row["failed"] == 0 and row["first_error"] is None
+        assert row["experts_read"] is not None and 1 <= row["experts_read"] <= row["experts_routed"]
+        assert row["moved_per_token"] >= 0
     assert set(result["tokens_kept"]) >= {"dense", "plain"}
     keeps = {eq.keep_key(r["keep_ratio"]) for r in result["rows"]}
     assert set(result["tokens_kept_by_keep"]) == keeps
@@ -48,30 +52,34 @@ def test_exact_match_normalises_both_sides():
 
 def test_plans():
     full = eq.plan("full")
-    assert len(full) == 15 and sum(len(keeps) for _, keeps in full) == 19
-    routings = [r for r, _ in full]
-    assert len(set(routings)) == 15
-    assert full[0] == (eq.TOPK, eq.KEEP_RATIOS) and all(keeps == (1.0,) for _, keeps in full[1:])
-    assert [r.name for r in routings].count("topk") == 1  # topk at keep 1.0 runs once for both sweeps
-    sere = {(r.primary_k, r.rho, r.protect) for r in routings if r.name == "sere"}
+    assert len(full) == 17 and sum(len(keeps) for _, keeps in full) == 24
+    settings = [s for s, _ in full]
+    assert len(set(settings)) == 17
+    assert full[0] == (eq.TOPK, eq.KEEP_RATIOS) and full[1] == (eq.TOPK_BY_SIZE, (0.7, 0.6, 0.5, 0.3))
+    assert all(keeps == (1.0,) for _, keeps in full[2:])
+    assert [s.name for s in settings].count("topk") == 2  # topk at keep 1.0 runs once for both sweeps
+    assert [s.budget for s in settings].count("size") == 1
+    sere = {(r.primary_k, r.rho, r.protect) for r in settings if r.name == "sere"}
     assert sere == {(k, rho, p) for k in (1, 2) for rho in (0.0, 0.3, 0.5) for p in (True, False)}
-    top2 = next(r for r in routings if r.name == "top2")
-    assert top2.overrides == {"moe_decoder": {"routing_policy": "truncate", "truncate_k": "2"}}
-    assert top2.fields == {"routing": "top2", "primary_k": 2, "rho": None, "protect": None}
-    assert eq.sere(1, 0.3, False).overrides == {"moe_decoder": {
-        "routing_policy": "sere", "sere_primary_k": "1", "sere_threshold": "0.3", "sere_protect": "false"}}
+    top2 = next(r for r in settings if r.name == "top2")
+    assert top2.overrides == {"moe_decoder": {"routing_policy": "truncate", "truncate_k": "2"},
+                              "vision_encoder": {"budget_weighting": "distinct"}}
+    assert top2.fields == {"routing": "top2", "primary_k": 2, "rho": None, "protect": None, "budget": "distinct"}
+    assert eq.TOP1.overrides["moe_decoder"] == {"routing_policy": "truncate", "truncate_k": "1"}
+    assert eq.sere(1, 0.3, False).overrides["moe_decoder"] == {
+        "routing_policy": "sere", "sere_primary_k": "1", "sere_threshold": "0.3", "sere_protect": "false"}
+    assert eq.TOPK_BY_SIZE.overrides["vision_encoder"] == {"budget_weighting": "size"}
     assert eq.plan("quick") == [(eq.TOPK, (1.0, 0.5)), (eq.TOP2, (1.0,)), (eq.sere(2, 0.5, True), (1.0,))]
-    assert len({r.slug for r in routings}) == 15  # one log file per server
+    assert len({s.slug for s in settings}) == 17  # one log file per server
+    assert eq.TOPK_BY_SIZE.slug == "topk-budget-size"
     with pytest.raises(ValueError):
         eq.plan("everything")
 
 
 def test_plan_overrides_name_real_parameters(tmp_path):
-    """Every parameter a routing sets exists in moe_decoder/config.pbtxt (rendering refuses unknown ones)."""
-    merged: dict[str, str] = {}
-    for routing, _ in eq.plan("full"):
-        merged.update(routing.overrides["moe_decoder"])
-    serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "repo", None, {"moe_decoder": merged})
+    """Every parameter a setting sets exists in its model's config.pbtxt (rendering refuses unknown ones)."""
+    for setting, _ in eq.plan("full"):
+        serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / setting.slug, None, setting.overrides)
 
 
 ITEMS = [Item("q1", "Red", "colour", ("dense", "plain"), (b"a", b"b")),
@@ -85,10 +93,12 @@ def test_accuracy_rows_and_token_means():
                Answer(error="ServerError: boom"), Answer("Blue", True, [9])]  # counts not one per image
     acc, by_task = eq.accuracy(ITEMS, answers)
     assert acc == 0.5 and by_task == {"colour": 1.0, "count": 0.0, "read_price": 0.0}
-    row = eq.make_row(eq.sere(2, 0.5, True), 1.0, ITEMS, answers, 1.23456)
+    effect = {"experts_routed": 7.5, "experts_read": 5.0, "moved_per_token": 1.23456}
+    row = eq.make_row(eq.sere(2, 0.5, True), 1.0, ITEMS, answers, 1.23456, effect)
     assert row == {"keep_ratio": 1.0, "routing": "sere", "primary_k": 2, "rho": 0.5, "protect": True,
-                   "accuracy": 0.5, "by_task": by_task, "seconds": 1.235, "failed": 1,
-                   "first_error": "ServerError: boom"}
+                   "budget": "distinct", "accuracy": 0.5, "by_task": by_task, "seconds": 1.235, "failed": 1,
+                   "first_error": "ServerError: boom", "experts_routed": 7.5, "experts_read": 5.0,
+                   "moved_per_token": 1.235}
     tally = eq.TokenTally()
     tally.add(1.0, ITEMS, answers)  # the failed request and the mismatched counts are left out
     assert tally.means(1.0) == {"dense": 11.0, "plain": 4.0}
@@ -111,24 +121,50 @@ def test_tokens_kept_headline():
     assert only_plain.by_keep() == {"1.0": {"dense": None, "plain": 7.0}}
 
 
+def test_routing_effect_from_counters():
+    before = {"zipmoe_moe_layer_steps_total": 8.0, "zipmoe_moe_union_before_total": 40.0,
+              "zipmoe_moe_union_after_total": 40.0, "zipmoe_moe_rerouted_slots_total": 0.0,
+              "zipmoe_decode_tokens_total": 2.0}
+    after = {"zipmoe_moe_layer_steps_total": 48.0, "zipmoe_moe_union_before_total": 340.0,
+             "zipmoe_moe_union_after_total": 240.0, "zipmoe_moe_rerouted_slots_total": 60.0,
+             "zipmoe_decode_tokens_total": 22.0}
+    assert eq.routing_effect(before, after) == {"experts_routed": 7.5, "experts_read": 5.0, "moved_per_token": 3.0}
+    assert eq.routing_effect(after, after) == {"experts_routed": None, "experts_read": None, "moved_per_token": None}
+
+
+def test_tokens_kept_per_budget_weighting():
+    tally = eq.TokenTally()
+    tally.add(0.5, ITEMS[:1], [Answer("x", False, [12, 4])])
+    tally.add(0.5, ITEMS[:1], [Answer("x", False, [8, 8])], budget="size")
+    assert tally.headline() == {"dense": 12.0, "plain": 4.0}  # the default weighting
+    assert tally.by_keep("size") == {"0.5": {"dense": 8.0, "plain": 8.0}}
+    assert tally.by_budget() == {"size": {"0.5": {"dense": 8.0, "plain": 8.0}}}
+    row = eq.make_row(eq.TOPK_BY_SIZE, 0.5, ITEMS[:1], [Answer("x", False, [8, 8])], 1.0)
+    assert row["budget"] == "size" and eq.row_label(row) == "topk, budget by size"
+    result = eq.result_json("test", 1, "ckpt", [row], tally)
+    assert "budget by size: keep 0.5: dense 8.0, plain 8.0" in eq.table(result)
+
+
 def test_table_and_plot(tmp_path):
     tally = eq.TokenTally()
     rows = []
     for routing, keep, answers in (
             (eq.TOPK, 1.0, [Answer("red", True, [10, 4])] * 4),
             (eq.TOPK, 0.6, [Answer("x", False, [6, 2])] * 4),
+            (eq.TOPK_BY_SIZE, 0.6, [Answer("red", True, [5, 3])] * 4),
             (eq.TOP2, 1.0, [Answer(error="ServerError: boom")] * 4),
             (eq.sere(1, 0.0, False), 1.0, [Answer("red", True, [10, 4])] * 4),
             (eq.OEA, 1.0, [Answer("x", False, [10, 4])] * 4)):
         items = [ITEMS[0]] * 4
         rows.append(eq.make_row(routing, keep, items, answers, 2.0))
-        tally.add(keep, items, answers)
+        tally.add(keep, items, answers, routing.budget)
     result = eq.result_json("test", 4, "checkpoints/tiny", rows, tally)
     assert result["tokens_kept"] == {"dense": 6.0, "plain": 2.0}
+    assert result["tokens_kept_by_budget"] == {"size": {"0.6": {"dense": 5.0, "plain": 3.0}}}
     text = eq.table(result)
     assert "sere" in text and "oea" in text and "keep 1.0 top2: 4 requests failed, first: ServerError: boom" in text
     assert "keep 0.6: dense 6.0, plain 2.0" in text
-    assert eq.row_label(rows[3]) == "sere K'=1 ρ=0 -P" and eq.row_label(rows[4]) == "oea k0=2"
+    assert eq.row_label(rows[4]) == "sere K'=1 ρ=0 -P" and eq.row_label(rows[5]) == "oea k0=2"
     if HAS_MPL:
         assert eq.plot(result, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
 
@@ -157,11 +193,14 @@ def test_settings_against_server(zipmoe_server, tmp_path):
     assert all(len(it.images) == len(it.kinds) >= 2 for it in items)
     tally, rows, kept_total = eq.TokenTally(), [], {}
     for keep in (1.0, 0.5):
+        before = scrape_metrics(zipmoe_server.url_metrics)
         answers, seconds = eq.run_setting(zipmoe_server.url_grpc, items, keep, concurrency=4, max_tokens=4)
+        effect = eq.routing_effect(before, scrape_metrics(zipmoe_server.url_metrics))
+        assert effect["experts_read"] == effect["experts_routed"] and effect["moved_per_token"] == 0  # topk
         assert [a.error for a in answers] == [None] * 4 and all(isinstance(a.text, str) for a in answers)
         assert [len(a.kept) for a in answers] == [len(it.images) for it in items]
         kept_total[keep] = sum(sum(a.kept) for a in answers)
-        rows.append(eq.make_row(eq.TOPK, keep, items, answers, seconds))
+        rows.append(eq.make_row(eq.TOPK, keep, items, answers, seconds, effect))
         tally.add(keep, items, answers)
     assert kept_total[0.5] < kept_total[1.0]
     result = eq.result_json("test", 4, "checkpoints/tiny", rows, tally)

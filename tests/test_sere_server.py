@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zipmoe.cli import scrape_metrics
+from zipmoe.clients.triton_client import scrape_metrics
 from zipmoe.clients.triton_client import grpc_generate
 
 pytestmark = pytest.mark.integration

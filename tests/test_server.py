@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from transformers import AutoTokenizer
 
-from zipmoe.cli import scrape_metrics
+from zipmoe.clients.triton_client import scrape_metrics
 from zipmoe.clients.triton_client import ServerError, grpc_generate, http_generate, http_generate_stream
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zipmoe.visionzip import apply_selection, merged_importance, patch_importance, select_tokens
+from zipmoe.visionzip import (apply_selection, distinct_token_count, merged_importance, patch_importance, select_tokens,
+                              weigh_images)
 
 MIXES = [[16], [16, 64, 100, 256], [3, 64], [16, 64, 101], [7, 5, 9]]
 RATIOS = [0.01, 0.1, 0.25, 1 / 3, 0.5, 0.7, 0.95, 1.0]
@@ -233,3 +234,51 @@ def test_compress_equals_per_image_selection():
         torch.testing.assert_close(t.embeds, apply_selection(f.embeds, s))
         torch.testing.assert_close(t.deepstack, apply_selection(f.deepstack, s))
         assert t.positions.tolist() == [[int(k) // f.grid[1], int(k) % f.grid[1]] for k in s.kept]
+
+
+# ------------------------------------------------------------------ budget weighting: distinct tokens
+
+def test_distinct_token_count_bounds():
+    assert distinct_token_count(torch.ones(16, 8) * 3.0).item() == pytest.approx(1.0)  # all one direction
+    assert distinct_token_count(torch.eye(16) * 2.0).item() == pytest.approx(16.0)  # mutually orthogonal
+    assert distinct_token_count(torch.eye(4).repeat(4, 1)).item() == pytest.approx(4.0)  # 4 directions, 4 times
+
+
+@pytest.mark.parametrize("n, d", [(12, 40), (40, 12)])  # both sides of the Gram-matrix choice
+def test_distinct_token_count_is_the_participation_ratio(n, d):
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
+    unit = F.normalize(x, dim=-1)
+    want = n ** 2 / (unit @ unit.T).square().sum()
+    assert distinct_token_count(x.to(torch.bfloat16)).item() == pytest.approx(want.item(), rel=2e-2)
+    assert distinct_token_count(x).item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_weigh_images_scales_each_image_to_its_distinct_tokens():
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(1, 8, generator=g).repeat(16, 1) + 0.01 * torch.randn(16, 8, generator=g)
+    dense = torch.randn(16, 8, generator=g)
+    importance = torch.cat([torch.full((16,), 4.0), torch.full((16,), 4.0)])  # uniform: sums 4 * N each
+    assert torch.equal(weigh_images(importance, [plain, dense], "size"), importance)
+    weighed = weigh_images(importance, [plain, dense], "distinct")
+    for part, embeds in zip(weighed.split(16), (plain, dense)):
+        assert part.sum().item() == pytest.approx(4 * distinct_token_count(embeds).item(), rel=1e-5)
+    assert weighed[:16].sum() < 0.25 * weighed[16:].sum()
+    with pytest.raises(ValueError, match="budget weighting"):
+        weigh_images(importance, [plain, dense], "area")
+
+
+def test_repetitive_image_gives_way_under_one_budget():
+    """Same attention pattern in both images; one image's tokens all look alike (a flat colour)."""
+    g = torch.Generator().manual_seed(1)
+    pattern = torch.rand(64, generator=g) * 8
+    flat = torch.randn(1, 32, generator=g).repeat(64, 1) + 0.05 * torch.randn(64, 32, generator=g)
+    busy = torch.randn(64, 32, generator=g)
+    keys = [torch.randn(64, 8, generator=g) for _ in range(2)]
+    by_size = select_tokens(list(weigh_images(torch.cat([pattern, pattern]), [flat, busy], "size").split(64)),
+                            keys, 0.5)
+    assert len(by_size[0].kept) == len(by_size[1].kept)  # the same attention pattern, the same share
+    flat_sel, busy_sel = select_tokens(list(weigh_images(torch.cat([pattern, pattern]), [flat, busy],
+                                                         "distinct").split(64)), keys, 0.5)
+    assert len(busy_sel.kept) > 2 * len(flat_sel.kept) and len(flat_sel.kept) >= 4  # the floor still holds
+    assert len(busy_sel.kept) + len(flat_sel.kept) == 64
+

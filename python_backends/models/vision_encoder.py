@@ -36,7 +36,8 @@ class TritonPythonModel:
         params = model_parameters(args)
         device, dtype = device_and_dtype(params)
         self.encoder = VisionEncoder(resolve_checkpoint(args, params), torch.device(device), DTYPES[dtype],
-                                     int(params.get("importance_layer", "-1")))
+                                     int(params.get("importance_layer", "-1")),
+                                     params.get("budget_weighting", "distinct"))
         self.keep_ratio = float(params.get("keep_ratio", "0.6"))
         self.context_fraction = float(params.get("context_fraction", "0.05"))
         self.min_per_image = int(params.get("min_tokens_per_image", "4"))
