@@ -1,9 +1,9 @@
 """Train a small Qwen3-VL-MoE from scratch on the synthetic multi-image note QA task.
 
-    python -m zipmoe.build.train_tiny --out checkpoints/notes [--minutes 15] [--steps 4000] [--batch 64]
+    python -m zipmoe.build.train_tiny --out checkpoints/notes [--size notes32] [--minutes 10] [--batch 256]
 
 The same model class as production (`Qwen3VLMoeForConditionalGeneration`: MoE text decoder with
-16 experts, top-4; vision tower with DeepStack), a byte-level BPE learned on the task's own text,
+32 experts, top-4, by default; vision tower with DeepStack), a byte-level BPE learned on the task's own text,
 and exactly the inputs the server builds: the checkpoint's chat template with one placeholder per
 image, each expanded to the image's merged visual tokens, images normalised and patchified as the
 vision encoder does (`zipmoe.vision.patchify`). The loss is on the answer tokens and the closing
@@ -23,7 +23,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
@@ -35,7 +34,7 @@ from zipmoe.build.sere_calibrate import calibrate
 from zipmoe.build.tiny_checkpoint import build_tokenizer, model_config, save_model
 from zipmoe.engine.multimodal import splice_images
 from zipmoe.prompt import ChatPrompt
-from zipmoe.vision import patchify
+from zipmoe.vision import patchify, pixels_of
 
 TOKENIZER_VOCAB = 512
 # ~10 M parameters (about 20 MB in bf16): text 256 wide, 4 MoE layers of 16 experts (top-4);
@@ -102,8 +101,7 @@ class NotesDataset(Dataset):
         ex = notes_data.make_describe_example(seed) if describe else notes_data.make_example(seed)
         pixels, grids, merged = [], [], []
         for image in ex.images:
-            x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255.0
-            x = (x - 0.5) / 0.5  # the image processor's mean and std
+            x = pixels_of(image)
             pixels.append(patchify(x, self.patch, self.merge, self.temporal))
             gh, gw = x.shape[1] // self.patch, x.shape[2] // self.patch
             grids.append([1, gh, gw])
@@ -261,7 +259,7 @@ def validate(model, loader, device) -> dict:
             "by_task": {t: round(float(h / c), 4) for t, h, c in zip(TRAIN_TASKS, hits, counts) if c > 0}}
 
 
-def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 64, minutes: float = 15.0,
+def train(out: str | Path, size: str = "notes32", steps: int = 1_000_000, batch: int = 256, minutes: float = 10.0,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 512, calibrate_sere: bool = True, val_every_minutes: float = 2.0,
           describe_fraction: float = 0.3, experts: str = "grouped_mm", reading_loss: float = 0.5,
@@ -372,10 +370,10 @@ def train(out: str | Path, size: str = "notes", steps: int = 4000, batch: int = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--size", choices=sorted(SIZES), default="notes")
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--minutes", type=float, default=15.0, help="stop early when this much time has passed")
+    p.add_argument("--size", choices=sorted(SIZES), default="notes32")
+    p.add_argument("--steps", type=int, default=1_000_000, help="at most this many steps (the clock stops a run first)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--minutes", type=float, default=10.0, help="stop when this much time has passed")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--val-every", type=float, default=2.0, help="minutes between validation runs")
     p.add_argument("--experts", choices=("grouped_mm", "eager"), default="grouped_mm",

@@ -380,7 +380,8 @@ def ensure_sere(checkpoint: Path) -> None:
         calibrate(checkpoint, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
+    """Relative to the repository when inside it (what results files record)."""
     try:
         return str(path.resolve().relative_to(REPO))
     except ValueError:
@@ -432,11 +433,11 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
         except BaseException:
             print(f"stopped at {row_label(setting.fields)}; server log: {log}", file=sys.stderr, flush=True)
             raise
-        result = result_json(split, len(items), _display(checkpoint), rows, tally)
+        result = result_json(split, len(items), display_path(checkpoint), rows, tally)
         if json_path is not None:
             _write_json(result, json_path)  # what was measured survives a later failure
 
-    result = result_json(split, len(items), _display(checkpoint), rows, tally)
+    result = result_json(split, len(items), display_path(checkpoint), rows, tally)
     print(table(result))
     if out is not None:
         print(f"wrote {json_path}")

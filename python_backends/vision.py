@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import Qwen3VLMoeConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
@@ -32,6 +33,13 @@ def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torc
     x = x.reshape(temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.permute(2, 5, 3, 6, 1, 0, 4, 7)  # gh/m, gw/m, m, m, C, T, p, p
     return x.reshape(gh * gw, c * temporal * patch * patch)
+
+
+def pixels_of(image, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+    """A PIL image whose sides are already multiples of patch * merge -> normalised float32 CHW, as
+    the image processor does when it needs no resize (Qwen-VL's mean and std are 0.5)."""
+    x = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32)).permute(2, 0, 1) / 255.0
+    return (x - mean) / std
 
 
 class VisionEncoder:

@@ -8,15 +8,10 @@ import torch
 
 from zipmoe.serve import TRAINED_CHECKPOINT
 from zipmoe.build import notes_data
-from zipmoe.vision import VisionEncoder
+from zipmoe.vision import VisionEncoder, pixels_of
 from zipmoe.visionzip import compress, distinct_token_count
 
 N_EXAMPLES = 24
-
-
-def pixels(image) -> torch.Tensor:
-    x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255.0
-    return (x - 0.5) / 0.5  # the checkpoint's preprocessor_config mean and std
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +22,7 @@ def requests():
 def kept_by_kind(encoder: VisionEncoder, requests, keep: float) -> dict[str, float]:
     kept = {"dense": [], "plain": []}
     for ex in requests:
-        for kind, tokens in zip(ex.kinds, compress(encoder.features([pixels(im) for im in ex.images]), keep)):
+        for kind, tokens in zip(ex.kinds, compress(encoder.features([pixels_of(im) for im in ex.images]), keep)):
             kept[kind].append(tokens.embeds.shape[0])
     return {kind: float(np.mean(v)) for kind, v in kept.items()}
 
@@ -39,7 +34,7 @@ def test_dense_notes_keep_more_tokens_by_distinct_tokens(requests):
     assert kept["dense"] >= 1.3 * kept["plain"]
     # Every image still keeps its floor, and the budget is the request's: 0.5 of all tokens.
     for ex in requests[:4]:
-        tokens = compress(encoder.features([pixels(im) for im in ex.images]), 0.5)
+        tokens = compress(encoder.features([pixels_of(im) for im in ex.images]), 0.5)
         assert min(t.embeds.shape[0] for t in tokens) >= 4
         assert sum(t.embeds.shape[0] for t in tokens) == round(0.5 * 16 * len(ex.images))
 
@@ -47,7 +42,7 @@ def test_dense_notes_keep_more_tokens_by_distinct_tokens(requests):
 def test_importance_mass_per_image(requests):
     """size: each image's merged importance sums to its patch count; distinct: to merge x its
     distinct-token count, the same attention otherwise."""
-    images = [pixels(im) for im in requests[0].images]
+    images = [pixels_of(im) for im in requests[0].images]
     by_size = VisionEncoder(TRAINED_CHECKPOINT, torch.device("cpu"), torch.float32, budget_weighting="size").features(images)
     distinct = VisionEncoder(TRAINED_CHECKPOINT, torch.device("cpu"), torch.float32).features(images)
     for a, b in zip(by_size, distinct):
