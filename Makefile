@@ -26,9 +26,11 @@ $(CHECKPOINT)/zipmoe_build.json: $(STAMP) build/tiny_checkpoint.py
 $(CHECKPOINT)/sere.safetensors: $(CHECKPOINT)/zipmoe_build.json build/sere_calibrate.py
 	$(VENV)/bin/zipmoe calibrate $(CHECKPOINT) --device cpu
 
-# The demo runs the trained checkpoint committed in checkpoints/notes (build/train_tiny.py made it).
+# The demo runs the trained checkpoint committed in checkpoints/notes (build/train_tiny.py made it);
+# DEMO_CHECKPOINT=DIR runs another one.
+DEMO_CHECKPOINT ?=
 demo: $(STAMP)
-	$(VENV)/bin/zipmoe demo
+	$(VENV)/bin/zipmoe demo $(if $(DEMO_CHECKPOINT),--checkpoint $(DEMO_CHECKPOINT))
 
 test: checkpoint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -70,11 +70,11 @@ def main(argv=None) -> int:
         rows = run(args.url, args.images, args.keep, args.repeats)
     else:
         from zipmoe import serve
-        from zipmoe.cli import TINY
         from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 
         ports = [serve.free_port() for _ in range(3)]
-        with serve.TritonServer(serve.DEFAULT_REPOSITORY, *ports, checkpoint=str(build_tiny_checkpoint(TINY)),
+        checkpoint = build_tiny_checkpoint(serve.TINY_CHECKPOINT)
+        with serve.TritonServer(serve.DEFAULT_REPOSITORY, *ports, checkpoint=str(checkpoint),
                                 log_path=Path("/tmp/zipmoe-bench-server.log")) as server:
             server.wait_ready()
             rows = run(server.url_grpc, args.images, args.keep, args.repeats)

@@ -33,7 +33,6 @@ from zipmoe import serve
 from zipmoe.clients.triton_client import scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "checkpoints" / "tiny"
 DEFAULT_OUT = REPO / "docs" / "results" / "quality"
 KINDS = ("dense", "plain")
 KEEP_RATIOS = (1.0, 0.7, 0.6, 0.5, 0.3)
@@ -357,8 +356,8 @@ def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
     from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 
     path = serve.TRAINED_CHECKPOINT if checkpoint is None else Path(checkpoint).expanduser()
-    if path.resolve() == TINY.resolve():
-        return build_tiny_checkpoint(TINY)
+    if path.resolve() == serve.TINY_CHECKPOINT.resolve():
+        return build_tiny_checkpoint(serve.TINY_CHECKPOINT)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory {path}")
     return path

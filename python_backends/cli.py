@@ -92,12 +92,15 @@ def demo_example():
 
 def cmd_demo(args) -> int:
     from zipmoe.build import notes_data
-    from zipmoe.clients.triton_client import scrape_metrics
     from zipmoe.clients.eval_quality import exact_match
+    from zipmoe.clients.triton_client import scrape_metrics
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else serve.TRAINED_CHECKPOINT
+    if args.image and args.question is None:
+        print("error: ask your own question about your own images", file=sys.stderr)
+        return 2
     example = demo_example()
-    own = args.question is not None or bool(args.image)  # no reference answer for the user's own question
+    own = args.question is not None  # no reference answer for the user's own question
     args.question = args.question or example.question
     images = [] if args.image else [notes_data.png_bytes(im) for im in example.images]
     shown = (f"{len(args.image)} image(s) of yours" if args.image else
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="start a server on the trained checkpoint, ask about five notes, print "
                                     "TTFT/TPOT and whether the answer is right, stop")
     p.add_argument("question", nargs="?", default=None,
-                   help="your own question about the demo's notes (default: the demo's, checked against its answer)")
+                   help="your own question (default: the demo's, about its notes, checked against its answer); "
+                        "needed with --image")
     p.add_argument("--checkpoint", default=None,
                    help=f"HF directory (default: {serve.TRAINED_CHECKPOINT.relative_to(REPO)})")
     _add_sampling(p)

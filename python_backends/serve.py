@@ -32,6 +32,8 @@ from pathlib import Path
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 # The trained notes checkpoint (build/train_tiny.py), committed: what the demo and `zipmoe eval` use.
 TRAINED_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "notes"
+# The tiny random checkpoint, built on demand (build/tiny_checkpoint.py): tests and benchmarks.
+TINY_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "tiny"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
 
 

@@ -48,8 +48,11 @@ def distinct_token_count(embeds: Tensor) -> Tensor:
     they are mutually orthogonal, 1 when all point the same way (a solid background). Computed
     through the smaller of X X^T and X^T X (same Frobenius norm); returns a 0-dim float32 tensor."""
     x = F.normalize(embeds.float(), dim=-1)
-    gram = x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
-    return x.shape[0] ** 2 / gram.square().sum()
+    n = x.shape[0]
+    gram = x @ x.T if n <= x.shape[1] else x.T @ x
+    squares = gram.square().sum()
+    # All-zero rows (no direction at all) count as one token; within [1, N] otherwise up to rounding.
+    return torch.where(squares > 0, n * n / squares.clamp_min(1e-30), 1.0).clamp(1.0, n)
 
 
 BUDGET_WEIGHTINGS = ("distinct", "size")
@@ -62,19 +65,19 @@ def check_budget_weighting(weighting: str) -> str:
 
 
 def weigh_images(importance: Tensor, embeds: list[Tensor], weighting: str) -> Tensor:
-    """Scales each image's merged-token importance (packed [sum N_i], each image summing to
-    merge * N_i) by how much of the global budget the image may claim.
+    """Scales each image's merged-token importance (packed [sum N_i]; each image's sums to its
+    patch count, 4 N_i with a 2x2 merger) by how much of the global budget the image may claim.
 
     size: unchanged, every token counts (the paper's per-image normalisation). With images of
     one size the budget then follows only the shape of each image's attention, whatever the image
-    shows. distinct: image i's mass becomes merge * D_i (`distinct_token_count`), so tokens that
+    shows. distinct: image i's mass becomes 4 D_i (`distinct_token_count`), so tokens that
     repeat one another (a plain background, a flat colour) claim little of the shared budget and
     detail-dense images (text, tables) keep more."""
     if check_budget_weighting(weighting) == "size" or not embeds:
         return importance
     share = torch.stack([distinct_token_count(e) / e.shape[0] for e in embeds]).to(importance.device)
     sizes = torch.tensor([e.shape[0] for e in embeds], device=importance.device)
-    return importance * share.repeat_interleave(sizes)
+    return importance * share.repeat_interleave(sizes, output_size=importance.shape[0])
 
 
 def merged_importance(patch_imp: Tensor, merge: int = 4) -> Tensor:

@@ -12,6 +12,13 @@ def test_demo_example_is_multi_image_and_needs_reading():
     assert sorted(example.kinds) == ["dense", "dense", "plain", "plain", "plain"]
 
 
+def test_own_images_need_own_question(tmp_path, capsys):
+    image = tmp_path / "note.png"
+    image.write_bytes(b"not even an image")  # refused before any server starts
+    assert cli.main(["demo", "--image", str(image)]) == 2
+    assert "your own question" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 def test_demo_answers_right(capsys):
     assert cli.main(["demo"]) == 0

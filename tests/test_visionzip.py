@@ -242,6 +242,7 @@ def test_distinct_token_count_bounds():
     assert distinct_token_count(torch.ones(16, 8) * 3.0).item() == pytest.approx(1.0)  # all one direction
     assert distinct_token_count(torch.eye(16) * 2.0).item() == pytest.approx(16.0)  # mutually orthogonal
     assert distinct_token_count(torch.eye(4).repeat(4, 1)).item() == pytest.approx(4.0)  # 4 directions, 4 times
+    assert distinct_token_count(torch.zeros(8, 4)).item() == 1.0  # no direction at all: one token, not inf
 
 
 @pytest.mark.parametrize("n, d", [(12, 40), (40, 12)])  # both sides of the Gram-matrix choice
