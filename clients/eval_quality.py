@@ -1,7 +1,7 @@
 """Exact-match accuracy of mm_qa on a notes_data split, per VisionZip keep ratio and decode routing.
 
     zipmoe eval [--checkpoint checkpoints/notes] [--split test] [--n 200] [--concurrency 16] [--max-tokens 8]
-                [--settings full|quick] [--out docs/results/quality]
+                [--settings full|quick|keep] [--set MODEL.PARAMETER=VALUE ...] [--out docs/results/quality]
     python -m zipmoe.clients.eval_quality ...      (the same arguments)
 
 Two sweeps through the real server, greedy decoding:
@@ -9,7 +9,9 @@ Two sweeps through the real server, greedy decoding:
       their distinct tokens (vision_encoder's default); again at 0.7-0.3 sharing it by size;
   (b) at keep 1.0: truncate to the first 1 or 2 experts ("top1", "top2"), sere for K' in {1, 2}
       x rho in {0.0, 0.3, 0.5} x protect on/off, oea (k0 = 2); topk at keep 1.0 is shared with (a).
-`quick` runs topk at keep 1.0 and 0.5, top2 and sere K'=2 rho=0.5 protect on (a smoke test).
+`quick` runs topk at keep 1.0 and 0.5, top2 and sere K'=2 rho=0.5 protect on (a smoke test);
+`keep` runs sweep (a) alone on one server. `--set` changes any other config.pbtxt parameter on
+every server (to see what an edit to the repository would do).
 One tritonserver per configuration; all examples of a setting go with --concurrency requests in
 flight, so decode batches are real. A request that fails counts as wrong and is reported. Each
 row also gives what decode routing did, from the server's counters: distinct experts per MoE
@@ -41,6 +43,7 @@ SERE_RHO = (0.0, 0.3, 0.5)
 SERE_PROTECT = (True, False)
 HEADLINE_KEEP = 0.6  # top-level tokens_kept is reported at this keep ratio when it ran
 DEFAULT_BUDGET = "distinct"  # vision_encoder's budget_weighting in model_repository
+PLANS = ("full", "quick", "keep")
 
 
 # ---------------------------------------------------------------------------------------- settings
@@ -93,11 +96,24 @@ def plan(settings: str) -> list[tuple[Setting, tuple[float, ...]]]:
     (at keep 1.0 nothing is dropped, so the budget weighting does not matter there)."""
     if settings == "quick":
         return [(TOPK, (1.0, 0.5)), (TOP2, (1.0,)), (sere(2, 0.5, True), (1.0,))]
+    if settings == "keep":
+        return [(TOPK, KEEP_RATIOS)]
     if settings == "full":
         return ([(TOPK, KEEP_RATIOS), (TOPK_BY_SIZE, KEEP_RATIOS[1:]), (TOP1, (1.0,)), (TOP2, (1.0,))]
                 + [(sere(k, rho, p), (1.0,)) for k in SERE_PRIMARY_K for rho in SERE_RHO for p in SERE_PROTECT]
                 + [(OEA, (1.0,))])
-    raise ValueError(f"settings must be full or quick, got {settings!r}")
+    raise ValueError(f"settings must be one of {PLANS}, got {settings!r}")
+
+
+def server_overrides(setting: Setting, extra: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """The setting's parameters plus `extra` (from --set); a parameter the harness sweeps cannot be set."""
+    merged = {model: dict(params) for model, params in extra.items()}
+    for model, params in setting.overrides.items():
+        clash = sorted(set(params) & set(merged.get(model, {})))
+        if clash:
+            raise ValueError(f"--set {model}.{clash[0]} clashes with what the harness sweeps")
+        merged.setdefault(model, {}).update(params)
+    return merged
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -247,8 +263,10 @@ def make_row(setting: Setting, keep_ratio: float, items: list[Item], answers: li
             **{k: None if v is None else round(v, 3) for k, v in effect.items()}}
 
 
-def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: TokenTally) -> dict:
-    return {"split": split, "n": n, "checkpoint": checkpoint, "rows": rows, "tokens_kept": tally.headline(),
+def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: TokenTally,
+                overrides: dict[str, dict[str, str]] | None = None) -> dict:
+    return {"split": split, "n": n, "checkpoint": checkpoint, "overrides": overrides or {}, "rows": rows,
+            "tokens_kept": tally.headline(),
             "tokens_kept_by_keep": tally.by_keep(), "tokens_kept_by_budget": tally.by_budget()}
 
 
@@ -270,8 +288,11 @@ def table(result: dict) -> str:
 
     head = ("keep", "routing", "K'", "rho", "protect", "budget", "accuracy", "failed", "seconds", "routed", "read",
             "moved")
-    lines = [f"{result['checkpoint']}, split {result['split']}, n={result['n']}  (routed/read: distinct experts per "
-             f"MoE layer-step; moved: slots re-routed per generated token)",
+    overrides = ", ".join(f"{m}.{k}={v}" for m, params in result.get("overrides", {}).items()
+                          for k, v in params.items())
+    lines = [f"{result['checkpoint']}, split {result['split']}, n={result['n']}"
+             + (f", with {overrides}" if overrides else "")
+             + "  (routed/read: distinct experts per MoE layer-step; moved: slots re-routed per generated token)",
              "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>6} {:>6}  by task".format(*head)]
     for r in result["rows"]:
         tasks = " ".join(f"{t}={v:.2f}" for t, v in r["by_task"].items())
@@ -391,11 +412,15 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
              max_tokens: int = 8, settings: str | list[tuple[Setting, tuple[float, ...]]] = "full",
              out: str | Path | None = DEFAULT_OUT,
              log_dir: str | Path | None = None, items: list[Item] | None = None,
-             repository: str | Path = serve.DEFAULT_REPOSITORY, ready_timeout: float = 1800) -> dict:
+             repository: str | Path = serve.DEFAULT_REPOSITORY, ready_timeout: float = 1800,
+             overrides: dict[str, dict[str, str]] | None = None) -> dict:
     """Runs the plan (one server per setting), writes OUT.json / OUT.png when `out` is given, prints
-    a table; returns the result dict. `settings`: full | quick, or the plan itself, [(setting, keep
-    ratios)]; `items` replaces the split's examples."""
+    a table; returns the result dict. `settings`: full | quick | keep, or the plan itself, [(setting,
+    keep ratios)]; `items` replaces the split's examples; `overrides` {model: {parameter: value}}
+    apply to every server."""
     steps = plan(settings) if isinstance(settings, str) else list(settings)
+    overrides = overrides or {}
+    per_server = [server_overrides(setting, overrides) for setting, _ in steps]  # clashes fail before any server
     checkpoint = resolve_checkpoint(checkpoint)
     if items is None:
         items = load_items(split, n)
@@ -412,12 +437,12 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
 
     rows: list[dict] = []
     tally = TokenTally()
-    for setting, keeps in steps:
+    for (setting, keeps), server_params in zip(steps, per_server):
         log = log_dir / f"server-{setting.slug}.log"
         ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
         try:
             with serve.TritonServer(repository, checkpoint=str(checkpoint), log_path=log,
-                                    overrides=setting.overrides, **ports) as server:
+                                    overrides=server_params, **ports) as server:
                 server.wait_ready(timeout=ready_timeout)
                 for keep in keeps:
                     before = scrape_metrics(server.url_metrics)
@@ -432,11 +457,11 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
         except BaseException:
             print(f"stopped at {row_label(setting.fields)}; server log: {log}", file=sys.stderr, flush=True)
             raise
-        result = result_json(split, len(items), display_path(checkpoint), rows, tally)
+        result = result_json(split, len(items), display_path(checkpoint), rows, tally, overrides)
         if json_path is not None:
             _write_json(result, json_path)  # what was measured survives a later failure
 
-    result = result_json(split, len(items), display_path(checkpoint), rows, tally)
+    result = result_json(split, len(items), display_path(checkpoint), rows, tally, overrides)
     print(table(result))
     if out is not None:
         print(f"wrote {json_path}")
@@ -454,9 +479,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=200, help="examples (default: 200)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per answer (default: 8)")
-    sizes = {s: f"{sum(len(k) for _, k in plan(s))} settings on {len(plan(s))} servers" for s in ("full", "quick")}
-    p.add_argument("--settings", choices=("full", "quick"), default="full",
-                   help=f"full: both sweeps ({sizes['full']}); quick: a smoke test ({sizes['quick']})")
+    sizes = {s: f"{sum(len(k) for _, k in plan(s))} settings on {len(plan(s))} servers" for s in PLANS}
+    p.add_argument("--settings", choices=PLANS, default="full",
+                   help=f"full: both sweeps ({sizes['full']}); quick: a smoke test ({sizes['quick']}); "
+                        f"keep: the keep-ratio sweep alone ({sizes['keep']})")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="MODEL.PARAMETER=VALUE",
+                   help="a config.pbtxt parameter for every server (repeatable)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help="writes OUT.json and OUT.png (default: docs/results/quality)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temporary folder)")
@@ -464,7 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_eval(args.checkpoint, args.split, args.n, args.concurrency, args.max_tokens, args.settings, args.out,
-             args.log_dir)
+             args.log_dir, overrides=serve.parse_overrides(args.overrides))
     return 0
 
 

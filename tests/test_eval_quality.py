@@ -17,7 +17,7 @@ ROW_KEYS = {"keep_ratio", "routing", "primary_k", "rho", "protect", "budget", "a
 
 
 def check_schema(result: dict, n: int) -> None:
-    assert set(result) == {"split", "n", "checkpoint", "rows", "tokens_kept", "tokens_kept_by_keep",
+    assert set(result) == {"split", "n", "checkpoint", "overrides", "rows", "tokens_kept", "tokens_kept_by_keep",
                            "tokens_kept_by_budget"}
     assert result["n"] == n and isinstance(result["split"], str) and isinstance(result["checkpoint"], str)
     for row in result["rows"]:
@@ -72,8 +72,21 @@ def test_plans():
     assert eq.plan("quick") == [(eq.TOPK, (1.0, 0.5)), (eq.TOP2, (1.0,)), (eq.sere(2, 0.5, True), (1.0,))]
     assert len({s.slug for s in settings}) == 17  # one log file per server
     assert eq.TOPK_BY_SIZE.slug == "topk-budget-size"
+    assert eq.plan("keep") == [(eq.TOPK, eq.KEEP_RATIOS)]
     with pytest.raises(ValueError):
         eq.plan("everything")
+
+
+def test_set_overrides_join_every_server_but_never_what_is_swept():
+    extra = {"vision_encoder": {"min_tokens_per_image": "8"}, "moe_decoder": {"max_num_seqs": "32"}}
+    merged = eq.server_overrides(eq.sere(2, 0.5, True), extra)
+    assert merged["vision_encoder"] == {"min_tokens_per_image": "8", "budget_weighting": "distinct"}
+    assert merged["moe_decoder"]["max_num_seqs"] == "32" and merged["moe_decoder"]["routing_policy"] == "sere"
+    assert extra == {"vision_encoder": {"min_tokens_per_image": "8"}, "moe_decoder": {"max_num_seqs": "32"}}
+    with pytest.raises(ValueError, match="moe_decoder.routing_policy"):
+        eq.server_overrides(eq.TOPK, {"moe_decoder": {"routing_policy": "sere"}})
+    result = eq.result_json("test", 1, "ckpt", [], eq.TokenTally(), {"vision_encoder": {"min_tokens_per_image": "8"}})
+    assert "n=1, with vision_encoder.min_tokens_per_image=8" in eq.table(result)
 
 
 def test_plan_overrides_name_real_parameters(tmp_path):
@@ -176,12 +189,14 @@ def test_ask_reports_a_failed_request():
 
 def test_cli_eval_arguments(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(eq, "run_eval", lambda *a: calls.append(a))
+    monkeypatch.setattr(eq, "run_eval", lambda *a, **k: calls.append((a, k)))
     assert cli.main(["eval", "--settings", "quick", "--n", "4", "--concurrency", "2", "--out", str(tmp_path / "q"),
-                     "--checkpoint", "ckpt", "--max-tokens", "6", "--split", "validation"]) == 0
-    assert calls == [("ckpt", "validation", 4, 2, 6, "quick", tmp_path / "q", None)]
+                     "--checkpoint", "ckpt", "--max-tokens", "6", "--split", "validation",
+                     "--set", "vision_encoder.min_tokens_per_image=8"]) == 0
+    assert calls == [(("ckpt", "validation", 4, 2, 6, "quick", tmp_path / "q", None),
+                      {"overrides": {"vision_encoder": {"min_tokens_per_image": "8"}}})]
     assert cli.main(["eval"]) == 0
-    assert calls[1] == (None, "test", 200, 16, 8, "full", eq.DEFAULT_OUT, None)
+    assert calls[1] == ((None, "test", 200, 16, 8, "full", eq.DEFAULT_OUT, None), {"overrides": {}})
 
 
 # ----------------------------------------------------------------------------------- integration
