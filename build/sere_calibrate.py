@@ -36,7 +36,7 @@ from zipmoe.engine.multimodal import VisualInputs, splice_images
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.sere_file import METHODS, SERE_FILE, SereTables, checkpoint_fingerprint, save_sere
-from zipmoe.vision import VisionEncoder
+from zipmoe.vision import VisionEncoder, pixels_of
 from zipmoe.visionzip import compress
 
 # Captured inputs are kept on the host: 48 layers x 2048 x bf16 = 192 KiB a token on a 30B-A3B (3 GiB here).
@@ -111,10 +111,8 @@ def _pixels(png: bytes, checkpoint: Path) -> torch.Tensor:
     factor = int(cfg["patch_size"]) * int(cfg["merge_size"])
     img = Image.open(io.BytesIO(png)).convert("RGB")
     w, h = (max(factor, round(s / 2 / factor) * factor) for s in img.size)
-    x = torch.frombuffer(bytearray(img.resize((w, h), Image.BICUBIC).tobytes()), dtype=torch.uint8)
-    x = x.view(h, w, 3).permute(2, 0, 1).float() / 255
     mean, std = (torch.tensor(cfg[k]).view(3, 1, 1) for k in ("image_mean", "image_std"))
-    return (x - mean) / std
+    return pixels_of(img.resize((w, h), Image.BICUBIC), mean, std)
 
 
 def calibration_requests(checkpoint: Path, texts: list[str], device: str,

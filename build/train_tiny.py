@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import math
 import os
@@ -368,28 +369,30 @@ def train(out: str | Path, size: str = "notes32", steps: int = 1_000_000, batch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = {name: param.default for name, param in inspect.signature(train).parameters.items()}  # one source
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--size", choices=sorted(SIZES), default="notes32")
-    p.add_argument("--steps", type=int, default=1_000_000, help="at most this many steps (the clock stops a run first)")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--minutes", type=float, default=10.0, help="stop when this much time has passed")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--val-every", type=float, default=2.0, help="minutes between validation runs")
-    p.add_argument("--experts", choices=("grouped_mm", "eager"), default="grouped_mm",
+    p.add_argument("--size", choices=sorted(SIZES), default=default["size"])
+    p.add_argument("--steps", type=int, default=default["steps"],
+                   help="at most this many steps (the clock stops a run first)")
+    p.add_argument("--batch", type=int, default=default["batch"])
+    p.add_argument("--minutes", type=float, default=default["minutes"], help="stop when this much time has passed")
+    p.add_argument("--lr", type=float, default=default["lr"])
+    p.add_argument("--val-every", dest="val_every_minutes", type=float, default=default["val_every_minutes"],
+                   help="minutes between validation runs")
+    p.add_argument("--experts", choices=("grouped_mm", "eager"), default=default["experts"],
                    help="transformers' experts implementation while training")
-    p.add_argument("--reading-loss", type=float, default=0.5,
+    p.add_argument("--reading-loss", type=float, default=default["reading_loss"],
                    help="weight of the auxiliary digit-reading head on the vision tower (0: off)")
     p.add_argument("--image-labels", dest="label_images", action="store_true",
                    help="name each image in the chat template ('image N: ')")
-    p.add_argument("--describe", type=float, default=0.3, help="share of training examples that ask what an image shows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--workers", type=int, default=None)
-    args = p.parse_args(argv)
-    train(args.out, args.size, args.steps, args.batch, args.minutes, args.lr, args.seed, args.device, args.workers,
-          val_every_minutes=args.val_every, describe_fraction=args.describe, experts=args.experts,
-          reading_loss=args.reading_loss, label_images=args.label_images)
+    p.add_argument("--describe", dest="describe_fraction", type=float, default=default["describe_fraction"],
+                   help="share of training examples that ask what an image shows")
+    p.add_argument("--seed", type=int, default=default["seed"])
+    p.add_argument("--device", default=default["device"])
+    p.add_argument("--workers", type=int, default=default["workers"])
+    train(**vars(p.parse_args(argv)))
     return 0
 
 

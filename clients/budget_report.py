@@ -40,20 +40,26 @@ def reweighed(features: list[ImageFeatures], weighting: str) -> list[ImageFeatur
             for f, imp in zip(features, weighed.split([f.embeds.shape[0] for f in features]))]
 
 
-def layer_report(requests: list[tuple[tuple[str, ...], list[ImageFeatures]]], keeps: list[float]) -> dict:
-    """requests: (kinds, features with size-weighted importance) -> per-kind statistics and tokens kept."""
-    stats = {k: {"perplexity": [], "distinct_tokens": []} for k in KINDS}
-    kept = {w: {keep: {k: [] for k in KINDS} for keep in keeps} for w in BUDGET_WEIGHTINGS}
+def per_kind(requests: list[tuple[tuple[str, ...], list[ImageFeatures]]], stat) -> dict[str, float | None]:
+    """The mean of stat(features) over the images of each kind."""
+    values = {k: [] for k in KINDS}
     for kinds, features in requests:
         for kind, f in zip(kinds, features):
-            stats[kind]["perplexity"].append(perplexity(f.importance))
-            stats[kind]["distinct_tokens"].append(float(distinct_token_count(f.embeds)))
+            values[kind].append(float(stat(f)))
+    return {k: _mean(v) for k, v in values.items()}
+
+
+def layer_report(requests: list[tuple[tuple[str, ...], list[ImageFeatures]]], keeps: list[float]) -> dict:
+    """requests: (kinds, features with size-weighted importance) -> each kind's importance perplexity
+    and the tokens it keeps under each weighting."""
+    kept = {w: {keep: {k: [] for k in KINDS} for keep in keeps} for w in BUDGET_WEIGHTINGS}
+    for kinds, features in requests:
         for weighting in BUDGET_WEIGHTINGS:
             weighed = reweighed(features, weighting)
             for keep in keeps:
                 for kind, tokens in zip(kinds, compress(weighed, keep)):
                     kept[weighting][keep][kind].append(tokens.embeds.shape[0])
-    return {**{name: {k: _mean(stats[k][name]) for k in KINDS} for name in ("perplexity", "distinct_tokens")},
+    return {"perplexity": per_kind(requests, lambda f: perplexity(f.importance)),
             "tokens_kept": {w: {repr(keep): {k: _mean(v) for k, v in by_kind.items()}
                                 for keep, by_kind in by_keep.items()}
                             for w, by_keep in kept.items()}}
@@ -69,13 +75,17 @@ def report(checkpoint: str | Path, n: int = 150, keeps: tuple[float, ...] = (0.6
         encoder = VisionEncoder(checkpoint, torch.device("cpu"), torch.float32, layer, budget_weighting="size")
         requests = [(ex.kinds, encoder.features([pixels_of(im) for im in ex.images])) for ex in examples]
         layers[str(layer)] = layer_report(requests, list(keeps))
-    return {"checkpoint": display_path(Path(checkpoint)), "split": split, "n": n, "layers": layers}
+    # The merged embeddings do not depend on the importance layer: their distinct tokens once.
+    distinct = per_kind(requests, lambda f: distinct_token_count(f.embeds))
+    return {"checkpoint": display_path(Path(checkpoint)), "split": split, "n": n, "distinct_tokens": distinct,
+            "layers": layers}
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['checkpoint']}, {result['n']} {result['split']} examples: tokens kept per image, "
-             "dense / plain (dense share)",
-             f"{'layer':>5} {'perplexity d/p':>15} {'distinct d/p':>13}  " + "  ".join(
+    dist = result["distinct_tokens"]
+    lines = [f"{result['checkpoint']}, {result['n']} {result['split']} examples: distinct tokens per image, dense / "
+             f"plain: {dist['dense']:.1f} / {dist['plain']:.1f}; tokens kept per image, dense / plain (dense share)",
+             f"{'layer':>5} {'perplexity d/p':>15}  " + "  ".join(
                  f"{w + ' @' + keep:>22}" for w in BUDGET_WEIGHTINGS
                  for keep in next(iter(result["layers"].values()))["tokens_kept"][w])]
     for layer, r in result["layers"].items():
@@ -84,9 +94,8 @@ def table(result: dict) -> str:
             for keep, kinds in r["tokens_kept"][w].items():
                 d, p = kinds["dense"], kinds["plain"]
                 cells.append(f"{d:5.1f} / {p:4.1f} ({d / p:4.2f}x)" if d and p else "-")
-        ppl, dist = r["perplexity"], r["distinct_tokens"]
-        lines.append(f"{layer:>5} {ppl['dense']:6.1f} / {ppl['plain']:5.1f} {dist['dense']:5.1f} / {dist['plain']:4.1f}  "
-                     + "  ".join(f"{c:>22}" for c in cells))
+        ppl = r["perplexity"]
+        lines.append(f"{layer:>5} {ppl['dense']:6.1f} / {ppl['plain']:5.1f}  " + "  ".join(f"{c:>22}" for c in cells))
     return "\n".join(lines)
 
 

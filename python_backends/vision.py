@@ -35,9 +35,10 @@ def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torc
     return x.reshape(gh * gw, c * temporal * patch * patch)
 
 
-def pixels_of(image, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+def pixels_of(image, mean: float | torch.Tensor = 0.5, std: float | torch.Tensor = 0.5) -> torch.Tensor:
     """A PIL image whose sides are already multiples of patch * merge -> normalised float32 CHW, as
-    the image processor does when it needs no resize (Qwen-VL's mean and std are 0.5)."""
+    the image processor does when it needs no resize (Qwen-VL's mean and std are 0.5; per channel:
+    [3, 1, 1] tensors)."""
     x = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32)).permute(2, 0, 1) / 255.0
     return (x - mean) / std
 

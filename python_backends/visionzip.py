@@ -43,14 +43,15 @@ def patch_importance(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float) -> 
 
 
 def distinct_token_count(embeds: Tensor) -> Tensor:
-    """Effective number of distinct tokens among one image's merged embeddings [N, D]: the
-    participation ratio N^2 / ||G||_F^2 of the Gram matrix G of the unit-normalised rows. N when
-    they are mutually orthogonal, 1 when all point the same way (a solid background). Computed
-    through the smaller of X X^T and X^T X (same Frobenius norm); returns a 0-dim float32 tensor."""
+    """Effective number of distinct tokens among an image's merged embeddings [..., N, D] (a batch
+    of same-size images -> [...]): the participation ratio N^2 / ||G||_F^2 of the Gram matrix G of
+    the unit-normalised rows. N when they are mutually orthogonal, 1 when all point the same way (a
+    solid background). Computed through the smaller of X X^T and X^T X (same Frobenius norm)."""
     x = F.normalize(embeds.float(), dim=-1)
-    n = x.shape[0]
-    gram = x @ x.T if n <= x.shape[1] else x.T @ x
-    squares = gram.square().sum()
+    n, d = x.shape[-2:]
+    xt = x.transpose(-1, -2)
+    gram = x @ xt if n <= d else xt @ x
+    squares = gram.square().sum((-2, -1))
     # All-zero rows (no direction at all) count as one token; within [1, N] otherwise up to rounding.
     return torch.where(squares > 0, n * n / squares.clamp_min(1e-30), 1.0).clamp(1.0, n)
 
@@ -75,9 +76,13 @@ def weigh_images(importance: Tensor, embeds: list[Tensor], weighting: str) -> Te
     detail-dense images (text, tables) keep more."""
     if check_budget_weighting(weighting) == "size" or not embeds:
         return importance
-    share = torch.stack([distinct_token_count(e) / e.shape[0] for e in embeds]).to(importance.device)
-    sizes = torch.tensor([e.shape[0] for e in embeds], device=importance.device)
-    return importance * share.repeat_interleave(sizes, output_size=importance.shape[0])
+    sizes = [e.shape[0] for e in embeds]
+    share = torch.empty(len(embeds), device=importance.device)
+    for n in set(sizes):  # one batched Gram per image size (usually one), not one per image
+        same = [i for i, s in enumerate(sizes) if s == n]
+        share[same] = distinct_token_count(torch.stack([embeds[i] for i in same])) / n
+    return importance * share.repeat_interleave(torch.tensor(sizes, device=importance.device),
+                                                output_size=importance.shape[0])
 
 
 def merged_importance(patch_imp: Tensor, merge: int = 4) -> Tensor:

@@ -25,6 +25,6 @@ def test_report_on_the_trained_checkpoint(tmp_path, capsys):
     share = {w: last["tokens_kept"][w]["0.5"]["dense"] / last["tokens_kept"][w]["0.5"]["plain"]
              for w in ("distinct", "size")}
     assert share["distinct"] > 1.1 and share["size"] < 1.0  # more examples: test_budget_weighting
-    assert last["distinct_tokens"]["dense"] > last["distinct_tokens"]["plain"] >= 1.0
+    assert result["distinct_tokens"]["dense"] > result["distinct_tokens"]["plain"] >= 1.0
     assert "distinct @0.5" in capsys.readouterr().out
     assert TRAINED_CHECKPOINT.is_dir()
