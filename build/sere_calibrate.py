@@ -31,8 +31,8 @@ from tqdm import tqdm
 from zipmoe.build.demo_images import plain_png, receipt_png
 from zipmoe.checkpoint import TextConfig
 from zipmoe.engine.engine import DTYPES, EngineConfig, LLMEngine
-from zipmoe.engine.moe import route_topk
 from zipmoe.engine.multimodal import VisualInputs, splice_images
+from zipmoe.engine.routing import route_topk
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.sere_file import METHODS, SERE_FILE, SereTables, checkpoint_fingerprint, save_sere

@@ -13,23 +13,11 @@ from typing import Iterator
 
 import numpy as np
 
-# name -> (Triton datatype, numpy dtype); STRING inputs are lists of str/bytes.
-INPUTS = {
-    "text_input": ("BYTES", np.object_),
-    "images": ("BYTES", np.object_),
-    "max_tokens": ("INT32", np.int32),
-    "stream": ("BOOL", np.bool_),
-    "temperature": ("FP32", np.float32),
-    "top_p": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "random_seed": ("UINT64", np.uint64),
-    "stop_words": ("BYTES", np.object_),
-    "ignore_eos": ("BOOL", np.bool_),
-    "visual_keep_ratio": ("FP32", np.float32),
-    "sere": ("BOOL", np.bool_),
-}
-LIST_INPUTS = {"images", "stop_words"}
-LIST_OUTPUTS = {"visual_tokens_kept"}
+from zipmoe.serving.interface import CLIENT_INPUTS, CLIENT_OUTPUTS
+
+# STRING inputs take lists of str/bytes.
+LIST_INPUTS = {name for name, spec in CLIENT_INPUTS.items() if spec.is_list}
+LIST_OUTPUTS = {name for name, spec in CLIENT_OUTPUTS.items() if spec.is_list}
 
 
 class ServerError(RuntimeError):
@@ -37,7 +25,9 @@ class ServerError(RuntimeError):
 
 
 def _array(name: str, value) -> np.ndarray:
-    _, dtype = INPUTS[name]
+    if name not in CLIENT_INPUTS:
+        raise ValueError(f"mm_qa has no input {name!r}; it takes {', '.join(CLIENT_INPUTS)}")
+    dtype = CLIENT_INPUTS[name].numpy_dtype
     values = list(value) if name in LIST_INPUTS else [value]
     if dtype is np.object_:
         values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
@@ -63,7 +53,7 @@ def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs
     tensors = []
     for name, value in inputs.items():
         arr = _array(name, value)
-        t = grpcclient.InferInput(name, list(arr.shape), INPUTS[name][0])
+        t = grpcclient.InferInput(name, list(arr.shape), CLIENT_INPUTS[name].dtype)
         t.set_data_from_numpy(arr)
         tensors.append(t)
     results: queue.Queue = queue.Queue()
@@ -102,9 +92,8 @@ def _http_body(inputs: dict) -> bytes:
 def _http_result(obj: dict) -> dict:
     if "error" in obj:
         raise ServerError(obj["error"])
-    keep = ("text_output", "input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept")
     return {k: (obj[k][0] if isinstance(obj.get(k), list) and k not in LIST_OUTPUTS else obj[k])
-            for k in keep if k in obj}
+            for k in CLIENT_OUTPUTS if k in obj}
 
 
 def http_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> dict:

@@ -1,10 +1,10 @@
 """VisionZip patch importance without the attention matrix.
 
-`zipmoe.visionzip.patch_importance` (the reference, same signature and result) materialises
-softmax(q k^T * scale) for every image: heads x N_i x N_i floats, 64 MiB in float32 for one
-1024-patch image at 16 heads, hundreds of MiB for large images. What VisionZip needs is only
-each key's column sum, so two streaming passes over key/query tiles suffice and memory stays
-O(P * heads):
+`patch_importance` is the kernel the vision encoder calls on CUDA. `patch_importance_reference`
+(same signature and result, what the encoder runs elsewhere) materialises softmax(q k^T * scale)
+for every image: heads x N_i x N_i floats, 64 MiB in float32 for one 1024-patch image at 16
+heads, hundreds of MiB for large images. What VisionZip needs is only each key's column sum, so
+two streaming passes over key/query tiles suffice and memory stays O(P * heads):
 
   pass 1, per (query tile, head): the row log-sum-exp over the image's keys, with an online
           max/sum as in flash attention;
@@ -119,18 +119,33 @@ def _column_sum_kernel(q_ptr, k_ptr, lse_ptr, out_ptr, tiles_ptr, P,
     tl.store(out_ptr + head * P + cols, tl.sum(acc, 1), mask=col_ok)
 
 
+def patch_importance_reference(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """Attention each patch receives, per image, averaged over heads and queries, times N_i.
+
+    q, k: [P, heads, d] of one vision attention layer, all images packed; cu_seqlens: int [N+1]
+    image boundaries (attention is full inside an image and never crosses images). Returns [P]
+    float32. The factor N_i makes uniform attention 1.0, so images of different sizes compete
+    on one scale; each image's values sum to N_i. Materialises softmax(q k^T * scale) per image.
+    """
+    out = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        logits = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * scale
+        out[start:end] = logits.softmax(dim=-1).mean(dim=(0, 1)) * (end - start)
+    return out
+
+
 def _tile_table(bounds: list[int], block: int, device: torch.device) -> Tensor:
     """int32 [tiles, 3]: (tile start, image start, image end); tiles never straddle two images."""
     rows = [(t, s, e) for s, e in zip(bounds[:-1], bounds[1:]) for t in range(s, e, block)]
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device, non_blocking=True)
 
 
-def patch_importance_triton(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float,
-                            block_m: int | None = None, block_n: int | None = None) -> Tensor:
-    """Same contract as `zipmoe.visionzip.patch_importance`: q, k [P, heads, d] (any strides),
-    cu_seqlens int [N+1]; returns [P] float32, for each patch the attention it receives summed
-    over its image's queries and averaged over heads. block_m/block_n (powers of two >= 16) only
-    change the tiling, so the tests can cover many tiles with small images."""
+def patch_importance_with_tiles(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float,
+                                block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """`patch_importance` with the tile shape given (None: BLOCK_M, BLOCK_N). block_m/block_n
+    (powers of two >= 16) only change the tiling, so the tests can cover many tiles with small
+    images."""
     if q.shape != k.shape or q.dim() != 3:
         raise ValueError(f"q and k must both be [P, heads, d], got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.dtype != k.dtype:
@@ -161,8 +176,11 @@ def patch_importance_triton(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: flo
 
 @torch.library.custom_op("zipmoe::patch_importance", mutates_args=())
 def patch_importance(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
-    """`patch_importance_triton` as a torch op, so traced/compiled code keeps it as one opaque node."""
-    return patch_importance_triton(q, k, cu_seqlens, scale)
+    """Same contract as `patch_importance_reference`: q, k [P, heads, d] (any strides), cu_seqlens
+    int [N+1]; returns [P] float32, for each patch the attention it receives summed over its
+    image's queries and averaged over heads. A torch op, so traced/compiled code keeps it as one
+    opaque node."""
+    return patch_importance_with_tiles(q, k, cu_seqlens, scale)
 
 
 @patch_importance.register_fake

@@ -10,7 +10,9 @@ min(E, S) + cdiv(S, BLOCK_M) for S = tokens * top_k slots, tiles past the used o
 once, and nothing is read back to the host. So a decode step using these kernels can be
 captured in a CUDA graph and replayed with other routing.
 
-Reference: `experts_reference` in engine/moe.py (same signature as `fused_experts`).
+`fused_experts` is the kernel the engine calls on CUDA (`fused_experts_with_config` the same
+launches with an explicit tile shape, for tests and the tuning sweep); `fused_experts_reference`
+beside it, a loop over the experts the batch activates, is what the engine runs elsewhere.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -211,8 +214,26 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
              mask=valid[:, None] & col_ok)
 
 
-def fused_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                       down: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                            gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Loop over the experts the batch activates (its union); each reads its weights once.
+
+    x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H]; down [E, H, I]. A token routed twice to the
+    same expert gets both weights (policies may create duplicates).
+    """
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        h = x[token]
+        g, u = F.linear(h, gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                              down: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """`fused_experts` with the tile shape given (None: `pick_config`'s)."""
     T, H = x.shape
     K = ids.shape[1]
     E, two_i, _ = gate_up.shape
@@ -239,8 +260,9 @@ def fused_experts_impl(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 @torch.library.custom_op("zipmoe::fused_experts", mutates_args=())
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H]; down [E, H, I] (contiguous) -> [T, H]."""
-    return fused_experts_impl(x, ids, weights, gate_up, down)
+    """Same contract as `fused_experts_reference`: x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H];
+    down [E, H, I] (contiguous) -> [T, H]."""
+    return fused_experts_with_config(x, ids, weights, gate_up, down)
 
 
 @fused_experts.register_fake

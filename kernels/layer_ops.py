@@ -6,13 +6,16 @@ top-K are each a chain of tiny element-wise kernels: about sixty launches a laye
 CUDA graph still cost a few microseconds each and, over 48 layers, more than reading the
 weights. Each function here is one launch:
 
+- `rms_norm`: RMSNorm of each row;
 - `add_rms_norm`: residual add + RMSNorm (the residual stream and the normed input in one pass);
 - `qk_norm_rope_cache`: per-head RMSNorm of q and k, rotary embedding, and the K/V cache write;
 - `topk_softmax`: router softmax -> top-K -> renormalisation.
 
-The arithmetic follows the references step by step (float32 statistics, rounding to the model
-dtype where PyTorch rounds), so bf16 results agree with them to the last bit except where a
-float32 sum is taken in another order.
+Each `name` is the launch the engine calls on CUDA; `name_reference` beside it is the plain
+PyTorch version with the same signature, which the engine runs elsewhere (`apply_rope` is a piece
+of `qk_norm_rope_cache_reference`). The arithmetic follows the references step by step (float32
+statistics, rounding to the model dtype where PyTorch rounds), so bf16 results agree with them to
+the last bit except where a float32 sum is taken in another order.
 """
 from __future__ import annotations
 
@@ -21,10 +24,8 @@ import torch
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
-from ..engine.rope import apply_rope
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same arithmetic as transformers: normalise in float32, scale in the input dtype.
     dtype = x.dtype
     x32 = x.to(torch.float32)
@@ -36,7 +37,7 @@ def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.T
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta)): the residual stream and the next block's input."""
     h = h + delta
-    return h, rms_norm(h, weight, eps)
+    return h, rms_norm_reference(h, weight, eps)
 
 
 @triton.jit
@@ -64,14 +65,14 @@ def _launch_norm(h, delta, weight, eps, h_out, x_out):
 
 
 @torch.library.custom_op("zipmoe::rms_norm", mutates_args=())
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as `rms_norm` for x [T, N] contiguous; one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `rms_norm_reference` for x [T, N] contiguous; one launch."""
     out = torch.empty_like(x)
     _launch_norm(x, None, weight, eps, out, out)
     return out
 
 
-@rms_norm_fused.register_fake
+@rms_norm.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
 
@@ -90,6 +91,13 @@ def _(h, delta, weight, eps):
     return torch.empty_like(h), torch.empty_like(h)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim]; rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
 def qk_norm_rope_cache_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
                                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
@@ -97,8 +105,8 @@ def qk_norm_rope_cache_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm
     (normed, rotated) and v are written to the caches [slots, Hkv, D] at `slots` [T]."""
     T, D = qkv.shape[0], q_norm.shape[0]
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
-    q = apply_rope(rms_norm(q.reshape(T, num_heads, D), q_norm, eps), cos, sin)
-    k = apply_rope(rms_norm(k.reshape(T, num_kv_heads, D), k_norm, eps), cos, sin)
+    q = apply_rope(rms_norm_reference(q.reshape(T, num_heads, D), q_norm, eps), cos, sin)
+    k = apply_rope(rms_norm_reference(k.reshape(T, num_kv_heads, D), k_norm, eps), cos, sin)
     k_cache[slots] = k
     v_cache[slots] = v.reshape(T, num_kv_heads, D)
     return q

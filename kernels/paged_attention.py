@@ -1,9 +1,9 @@
 """Decode attention over the engine's paged KV cache: a Triton split-K kernel and its reference.
 
 One query token per sequence attends to its whole context, whose keys and values lie scattered
-over the cache in blocks named by the sequence's block table (engine/kv_cache.py). The engine's
-current path gathers every context into a dense [B, max_ctx, kv_heads, head_dim] copy and runs
-SDPA on it; the kernel reads the blocks in place instead.
+over the cache in blocks named by the sequence's block table (engine/kv_cache.py). The reference
+gathers every context into a dense [B, max_ctx, kv_heads, head_dim] copy; the kernel (what the
+engine runs on CUDA) reads the blocks in place instead.
 
 Why it is shaped this way:
 - The launch grid is (sequence, kv head, partition) with the partition count taken from the

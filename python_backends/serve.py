@@ -2,7 +2,7 @@
 
 Works with three servers: one named by $TRITONSERVER or found on PATH, the NGC
 image's /opt/tritonserver, or the binary bundled in the nvidia-pytriton wheel.
-The bundled one needs extra setup (see DESIGN.md, "Environments"): a backend
+The bundled one needs extra setup: a backend
 directory holding the Python stub for this interpreter, the wheel's shared libs
 and this interpreter's libpython on LD_LIBRARY_PATH, and the venv's bin/ first
 on PATH, since the stub finds its prefix (and site-packages) like a python3 on

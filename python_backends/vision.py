@@ -1,9 +1,9 @@
 """Vision tower (transformers' own module, our weights) + global-budget VisionZip for N images.
 
 The tower is not the hot loop, so it stays transformers' `Qwen3VLMoeVisionModel`. A hook on the
-attention of layer ℓ recomputes that layer's q and k, from which `visionzip.patch_importance`
-gets how much attention each patch receives (on CUDA through the Triton kernel of the same
-signature); the merged tokens then compete for one budget.
+attention of layer ℓ recomputes that layer's q and k, from which
+`kernels.attention_importance.patch_importance` (a Triton kernel; its reference off CUDA) gets
+how much attention each patch receives; the merged tokens then compete for one budget.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 from .checkpoint import TensorStore
-from .kernels.attention_importance import patch_importance_triton
-from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, patch_importance, weigh_images
+from .kernels.attention_importance import patch_importance, patch_importance_reference
+from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, weigh_images
 
 VISUAL_PREFIX = "model.visual."
 
@@ -88,7 +88,7 @@ class VisionEncoder:
         embeds = out.pooler_output.split(per_image)
         deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)  # each [L, N_i, D]
         c, self._captured = self._captured, {}  # do not keep the batch's q/k alive until the next call
-        importance_fn = patch_importance_triton if c["q"].is_cuda else patch_importance  # never an N_i x N_i matrix
+        importance_fn = patch_importance if c["q"].is_cuda else patch_importance_reference  # never an N_i x N_i matrix
         importance = merged_importance(importance_fn(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)
         importance = weigh_images(importance, embeds, self.budget_weighting)  # how images share the budget
         keys = c["k"].float().mean(1)  # [P, d]: head-averaged keys ...

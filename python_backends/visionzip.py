@@ -6,13 +6,14 @@ Its public Qwen2.5-VL port handles one image; here all images of a request compe
 candidate pool under one token budget, so a detail-dense image (text, tables, receipts) keeps
 more tokens than a plain one, while a per-image floor keeps every image represented.
 
-Pipeline (vision_encoder): `patch_importance` on layer ℓ's q/k -> `merged_importance` (2x2
-merger) -> `select_tokens` -> `apply_selection` on the merged embeddings and on the deepstack
-features, with the same selection so both stay aligned. Kept tokens keep their original order,
-so their original (t, h, w) mRoPE positions are `positions[kept]`.
+Pipeline (vision_encoder): patch importance on layer ℓ's q/k (kernels/attention_importance.py:
+`patch_importance`, a Triton kernel that never materialises the N x N attention matrix, or its
+reference `patch_importance_reference`) -> `merged_importance` (2x2 merger) -> `select_tokens` ->
+`apply_selection` on the merged embeddings and on the deepstack features, with the same selection
+so both stay aligned. Kept tokens keep their original order, so their original (t, h, w) mRoPE
+positions are `positions[kept]`.
 
-Plain PyTorch reference; `patch_importance` gets a Triton kernel with the same signature that
-never materialises the N x N attention matrix. Everything is deterministic.
+Plain PyTorch. Everything is deterministic.
 """
 from __future__ import annotations
 
@@ -25,21 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-def patch_importance(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
-    """Attention each patch receives, per image, averaged over heads and queries, times N_i.
-
-    q, k: [P, heads, d] of one vision attention layer, all images packed; cu_seqlens: int [N+1]
-    image boundaries (attention is full inside an image and never crosses images). Returns [P]
-    float32. The factor N_i makes uniform attention 1.0, so images of different sizes compete
-    on one scale; each image's values sum to N_i. Materialises softmax(q k^T * scale) per image.
-    """
-    out = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        logits = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * scale
-        out[start:end] = logits.softmax(dim=-1).mean(dim=(0, 1)) * (end - start)
-    return out
+from .settings import setting
 
 
 def distinct_token_count(embeds: Tensor) -> Tensor:
@@ -193,6 +180,16 @@ def apply_selection(features: Tensor, sel: ImageSelection) -> Tensor:
     sums.index_add_(-2, target, features[..., valid, :].float())
     counts = torch.bincount(target, minlength=sel.kept.shape[0]).unsqueeze(-1)
     return (sums / counts).to(features.dtype)
+
+
+@dataclass(frozen=True)
+class VisionZipConfig:
+    """VisionZip's settings: parameters of vision_encoder/config.pbtxt (mm_qa_bls reads them from there)."""
+    keep_ratio: float = setting(0.6, "fraction of a request's visual tokens kept (one budget shared by its images); "
+                                     "a request may override it with visual_keep_ratio", min=1e-6, max=1.0)
+    context_fraction: float = setting(0.05, "share of the kept tokens that are contextual (merged from the dropped)",
+                                      min=0.0, max=1.0)
+    min_tokens_per_image: int = setting(4, "every image keeps at least this many tokens, however plain", min=0)
 
 
 @dataclass

@@ -29,7 +29,7 @@ def run(checkpoint, device, policy=None, graphs=True, dtype="float32", n=len(PRO
     seqs = [eng.add_request(p, SamplingParams(max_tokens=steps - i, ignore_eos=True)) for i, p in enumerate(PROMPTS[:n])]
     while eng.has_work:
         eng.step()
-    return [s.output_ids for s in seqs], eng.model.routing_stats.snapshot()
+    return [s.output_ids for s in seqs], eng.routing_stats.snapshot()
 
 
 def sere_tables(device, layers=4, experts=16):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zipmoe.engine.moe import experts_reference, route_topk
-from zipmoe.kernels.fused_moe import (MoeConfig, pick_config, fused_experts, fused_experts_impl, moe_align,
-                                      moe_align_reference, num_tiles)
+from zipmoe.engine.routing import route_topk
+from zipmoe.kernels.fused_moe import (MoeConfig, pick_config, fused_experts, fused_experts_reference,
+                                      fused_experts_with_config, moe_align, moe_align_reference, num_tiles)
 
 SMALL = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
@@ -26,7 +26,7 @@ def _case(T, E, K, H, I, dtype=torch.float32, device="cpu", seed=0, duplicates=F
 
 
 @pytest.mark.parametrize("T,E,K", [(1, 16, 4), (7, 16, 4), (40, 8, 2), (3, 128, 8)])
-def test_align_matches_reference(T, E, K):
+def test_moe_align_matches_reference(T, E, K):
     ids = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(T))
     for block_m in (16, 64):
         slots, experts = moe_align(ids, E, block_m)
@@ -44,19 +44,19 @@ def test_align_matches_reference(T, E, K):
                                             (19, 8, 2, 64, 32, False)])
 def test_fused_experts_matches_reference(T, E, K, H, I, dup):
     x, ids, w, gate_up, down = _case(T, E, K, H, I, duplicates=dup)
-    out = fused_experts_impl(x, ids, w, gate_up, down, SMALL)
-    torch.testing.assert_close(out, experts_reference(x, ids, w, gate_up, down), rtol=1e-4, atol=1e-4)
+    out = fused_experts_with_config(x, ids, w, gate_up, down, SMALL)
+    torch.testing.assert_close(out, fused_experts_reference(x, ids, w, gate_up, down), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_experts(x, ids, w, gate_up, down), out, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 16, 64, 128, 1000])
 @pytest.mark.parametrize("dup", [False, True])
-def test_fused_experts_gpu_30b_shape(T, dup):
+def test_fused_experts_matches_reference_gpu_30b_shape(T, dup):
     x, ids, w, gate_up, down = _case(T, 128, 8, 2048, 768, torch.bfloat16, "cuda", duplicates=dup)
-    ref = experts_reference(x.float(), ids, w.float(), gate_up.float(), down.float())
+    ref = fused_experts_reference(x.float(), ids, w.float(), gate_up.float(), down.float())
     for cfg in {pick_config(n, 128, 2048, 768) for n in (1, 16, 64, 128, 1000)}:
-        out = fused_experts_impl(x, ids, w, gate_up, down, cfg)
+        out = fused_experts_with_config(x, ids, w, gate_up, down, cfg)
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(fused_experts(x, ids, w, gate_up, down).float(), ref, rtol=2e-2, atol=2e-2)
 
@@ -73,5 +73,5 @@ def test_fused_experts_replays_in_a_cuda_graph():
     for buf, new in zip(static, (x2, ids2, w2)):
         buf.copy_(new)
     graph.replay()
-    ref = experts_reference(x2.float(), ids2, w2.float(), gate_up.float(), down.float())
+    ref = fused_experts_reference(x2.float(), ids2, w2.float(), gate_up.float(), down.float())
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

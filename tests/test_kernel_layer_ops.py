@@ -11,7 +11,7 @@ from zipmoe.engine.model import KERNELS, REFERENCE
 from zipmoe.engine.rope import MRope
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache,
-                                      qk_norm_rope_cache_reference, rms_norm, rms_norm_fused, topk_softmax,
+                                      qk_norm_rope_cache_reference, rms_norm, rms_norm_reference, topk_softmax,
                                       topk_softmax_reference)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -21,15 +21,26 @@ def _dtype(device):
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("N", [64, 48, 2048])
-def test_rms_norms(device, N):
+def _norm_case(device, N):
+    """h, delta [5, N], weight [N], and the tolerance of the normed output (one bf16 ulp near 1)."""
     g = torch.Generator().manual_seed(N)
     dt = _dtype(device)
     h, delta = (torch.randn(5, N, generator=g).to(device, dt) for _ in range(2))
     w = torch.rand(N, generator=g).to(device, dt) + 0.5
-    tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # one bf16 ulp of a value near 1
-    torch.testing.assert_close(rms_norm_fused(h, w, 1e-6), rms_norm(h, w, 1e-6), **tol)
+    return h, delta, w, {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [64, 48, 2048])
+def test_rms_norm_matches_reference(device, N):
+    h, _, w, tol = _norm_case(device, N)
+    torch.testing.assert_close(rms_norm(h, w, 1e-6), rms_norm_reference(h, w, 1e-6), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [64, 48, 2048])
+def test_add_rms_norm_matches_reference(device, N):
+    h, delta, w, tol = _norm_case(device, N)
     got, want = add_rms_norm(h, delta, w, 1e-6), add_rms_norm_reference(h, delta, w, 1e-6)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)  # the residual add rounds the same way
     torch.testing.assert_close(got[1], want[1], **tol)
@@ -37,7 +48,7 @@ def test_rms_norms(device, N):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (32, 4, 128)])
-def test_qk_norm_rope_cache(device, hq, hkv, d):
+def test_qk_norm_rope_cache_matches_reference(device, hq, hkv, d):
     g = torch.Generator().manual_seed(d)
     dt, T = _dtype(device), 6
     qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(device, dt)
@@ -59,7 +70,7 @@ def test_qk_norm_rope_cache(device, hq, hkv, d):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("E,K,normalize", [(16, 4, True), (128, 8, True), (60, 2, False)])
-def test_topk_softmax(device, E, K, normalize):
+def test_topk_softmax_matches_reference(device, E, K, normalize):
     # float32 logits on both devices: bf16 logits tie often, and torch.topk orders ties as it likes.
     logits = torch.randn(33, E, generator=torch.Generator().manual_seed(E)).to(device)
     probs, ids, w = topk_softmax(logits, K, normalize, _dtype(device))

@@ -57,7 +57,7 @@ LENS = [1, 0, 7, BLOCK, 3 * BLOCK + 5, 18 * BLOCK + 2]
     (128, 1, 8, 64),
     (128, 2, 2, 256),
 ])
-def test_kernel_matches_reference(head_dim, kv_heads, group, partition):
+def test_paged_decode_attention_matches_reference(head_dim, kv_heads, group, partition):
     q, k, v, tables, lens = make_case(LENS, kv_heads, group, head_dim)
     scale = 4 * head_dim ** -0.5  # peaked softmax: a stale running max would show
     out = paged_decode_attention(q, k, v, tables, lens, BLOCK, scale, partition)
@@ -68,7 +68,7 @@ def test_kernel_matches_reference(head_dim, kv_heads, group, partition):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_rescales_when_later_keys_dominate():
+def test_paged_decode_attention_rescales_when_later_keys_dominate():
     """Scores that grow along the context: every later tile, partition and merge chunk raises the
     running max, so a missed rescale anywhere shows (random scores rarely exercise it)."""
     lens = [20 * BLOCK + 3, 9]
@@ -84,7 +84,7 @@ def test_kernel_rescales_when_later_keys_dominate():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_reads_a_layer_view_of_the_engine_cache():
+def test_paged_decode_attention_reads_a_layer_view_of_the_engine_cache():
     """k_cache/v_cache as the engine holds them: kv.k[layer] of the [layers, slots, kvh, d] cache."""
     lens = [5, 2 * BLOCK + 1]
     q, k, v, tables, ctx = make_case(lens, 2, 2, 16, spare_blocks=1)
@@ -97,14 +97,14 @@ def test_kernel_reads_a_layer_view_of_the_engine_cache():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_custom_op_schema_and_fake():
+def test_paged_decode_attention_op_schema_and_fake():
     q, k, v, tables, lens = make_case([3, 9], 1, 2, 16)
     torch.library.opcheck(torch.ops.zipmoe.paged_decode_attention.default,
                           (q, k, v, tables, lens, BLOCK, 0.25, 64),
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_reference_matches_engine_decode_path():
+def test_paged_decode_attention_reference_matches_engine_decode_path():
     """The reference against the engine's gather + SDPA decode path (engine/runner.py builds the
     gather slots and mask from the padded block tables, engine/model.py's decode branch attends)."""
     kv_heads, group, head_dim, layer = 2, 4, 16, 1
@@ -148,7 +148,7 @@ def _gpu_lens(batch: int, seed: int) -> list[int]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_kernel_matches_reference_bf16_30b_shape(batch):
+def test_paged_decode_attention_matches_reference_bf16_30b_shape(batch):
     q, k, v, tables, lens = make_case(_gpu_lens(batch, batch), 4, 8, 128, torch.bfloat16, "cuda", seed=batch)
     out = paged_decode_attention(q, k, v, tables, lens, BLOCK, 128 ** -0.5)
     ref = paged_decode_attention_reference(q, k, v, tables, lens, BLOCK, 128 ** -0.5)
@@ -159,7 +159,7 @@ def test_kernel_matches_reference_bf16_30b_shape(batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim,kv_heads,group", [(16, 2, 1), (16, 1, 2), (16, 2, 8), (128, 8, 1), (128, 4, 2)])
-def test_kernel_matches_reference_gpu_small_shapes(head_dim, kv_heads, group, dtype):
+def test_paged_decode_attention_matches_reference_gpu_small_shapes(head_dim, kv_heads, group, dtype):
     q, k, v, tables, lens = make_case(LENS + [600], kv_heads, group, head_dim, dtype, "cuda")
     out = paged_decode_attention(q, k, v, tables, lens, BLOCK, head_dim ** -0.5)
     ref = paged_decode_attention_reference(q, k, v, tables, lens, BLOCK, head_dim ** -0.5)
@@ -168,7 +168,7 @@ def test_kernel_matches_reference_gpu_small_shapes(head_dim, kv_heads, group, dt
 
 
 @pytest.mark.gpu
-def test_kernel_replays_in_a_cuda_graph_with_new_tables():
+def test_paged_decode_attention_replays_in_a_cuda_graph_with_new_tables():
     batch, scale = 16, 128 ** -0.5
     q, k, v, tables, lens = make_case(_gpu_lens(batch, 0), 4, 8, 128, torch.bfloat16, "cuda", seed=0)
     paged_decode_attention(q, k, v, tables, lens, BLOCK, scale)  # compile outside the capture

@@ -26,7 +26,7 @@ CASES = list(itertools.product([1, 5, 16, 33], [(4, 16), (8, 128)], [1, 2, 3], [
 
 
 @pytest.mark.parametrize("T,KE,k1,rho", CASES)
-def test_matches_reference_bit_exact(T, KE, k1, rho):
+def test_sere_reroute_matches_reference_bit_exact(T, KE, k1, rho):
     K, E = KE
     ids, sim, protect, opt_out = _case(T, K, E, seed=T * 7 + k1, ties=rho == 0.0)
     for oo in (None, opt_out):
@@ -34,14 +34,14 @@ def test_matches_reference_bit_exact(T, KE, k1, rho):
         assert torch.equal(got, sere_reroute_reference(ids, sim, protect, oo, k1, rho))
 
 
-def test_threshold_above_every_similarity_moves_nothing():
+def test_sere_reroute_threshold_above_every_similarity_moves_nothing():
     ids, sim, protect, _ = _case(16, 8, 128, seed=3)
     assert torch.equal(sere_reroute(ids, sim, protect, None, 2, 1.5), ids)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 16, 64, 128, 300])
-def test_gpu_bit_exact(T):
+def test_sere_reroute_matches_reference_bit_exact_gpu(T):
     for seed, rho in [(0, 0.0), (1, 0.3), (2, 0.5)]:
         ids, sim, protect, opt_out = _case(T, 8, 128, seed, "cuda", ties=seed == 0)
         got = sere_reroute(ids, sim, protect, opt_out, 2, rho)

@@ -44,7 +44,7 @@ def test_prefill_logits_match(tiny_checkpoint, reference, prompts):
     seq = engine.add_request(prompts[0], SamplingParams(max_tokens=1))
     batch, is_prefill = engine.scheduler.schedule()
     ids, step, _ = runner.prepare_prefill(batch)
-    ours = engine.model.forward(ids, step, runner.kv, torch.arange(len(seq)))
+    ours = engine.model.forward(ids, step, runner.kv, torch.arange(len(seq))).logits
     with torch.no_grad():
         ref = reference(input_ids=torch.tensor([prompts[0]])).logits[0]
     assert is_prefill

@@ -16,7 +16,7 @@ from zipmoe.build.sere_calibrate import (
 )
 from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.moe import route_topk
+from zipmoe.engine.routing import route_topk
 from zipmoe.sere_file import SERE_FILE, SereTables, checkpoint_fingerprint, load_sere, save_sere
 
 E, MOE_LAYERS = 16, [0, 1, 2, 3]  # the tiny checkpoint: 4 decoder layers, all MoE, 16 experts (top-4)
@@ -51,7 +51,9 @@ def test_streamed_gram_matches_materialised_outputs(layer):
     x = torch.randn(37, layer.gate_up.shape[-1], generator=torch.Generator().manual_seed(0))
     a = materialised(x, layer).flatten(1)
     gram = gram_matrix(x, layer.gate_up, layer.down, token_chunk=5, expert_chunk=3)  # uneven chunks
-    torch.testing.assert_close(gram, a @ a.T, rtol=1e-5, atol=1e-8)
+    want = a @ a.T
+    # float32 sums in another order: an entry near cancellation is off by ~eps of the largest terms.
+    torch.testing.assert_close(gram, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
     dist = (a[:, None] - a[None]).norm(dim=-1)
     torch.testing.assert_close(similarity(gram, "frobenius"), 1 - dist / dist.max(), rtol=0, atol=1e-5)

@@ -53,7 +53,7 @@ def test_keep_one_matches_transformers_full_model(tiny_checkpoint, reference, im
     seq = engine.add_request(ids, SamplingParams(max_tokens=STEPS, ignore_eos=True), visual=visual)
     batch, _ = engine.scheduler.schedule()
     inputs, step, _ = engine.runner.prepare_prefill(batch)
-    ours = engine.model.forward(inputs, step, engine.runner.kv, torch.arange(len(ids)))
+    ours = engine.model.forward(inputs, step, engine.runner.kv, torch.arange(len(ids))).logits
 
     pixel_values = torch.cat([patchify(im, 16, 2, 2) for im in images])
     grid = torch.tensor([[1, h // 16, w // 16] for h, w in SIZES])

@@ -5,7 +5,7 @@
 At the Qwen3-VL-30B-A3B vision shape (16 heads, d = 72, bf16), for `--images` images of `--patches`
 patches: the median of CUDA-event timings (after warm-up) and the peak of
 torch.cuda.max_memory_allocated over the allocation before the call, for the Triton kernel and
-for `zipmoe.visionzip.patch_importance`, plus one forward of a randomly initialised vision tower of
+for `patch_importance_reference`, plus one forward of a randomly initialised vision tower of
 the 30B's shape on the same patches, so the importance kernel can be read as a share of the
 forward it is hooked into. CUDA only (it imports anywhere).
 """
@@ -20,8 +20,7 @@ import torch
 from transformers import Qwen3VLMoeConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-from zipmoe.kernels.attention_importance import patch_importance_triton
-from zipmoe.visionzip import patch_importance
+from zipmoe.kernels.attention_importance import patch_importance, patch_importance_reference
 
 from .timing import cuda_time_us, peak_bytes
 
@@ -63,8 +62,8 @@ def bench_importance(device: torch.device | str = "cuda", images: int = 30, patc
               "heads": heads, "head_dim": d, "dtype": "bf16"}
 
     rows = []
-    for impl, fn in [("triton", lambda: patch_importance_triton(q, k, cu, scale)),
-                     ("materialised", lambda: patch_importance(q, k, cu, scale))]:
+    for impl, fn in [("triton", lambda: patch_importance(q, k, cu, scale)),
+                     ("materialised", lambda: patch_importance_reference(q, k, cu, scale))]:
         time_us, peak = time_and_peak(fn, reps=reps)
         rows.append({**common, "impl": impl, "time_us": time_us, "bytes_read": qk_bytes,
                      "gbps": qk_bytes / (time_us * 1e-6) / 1e9, "peak_mem_bytes": peak})

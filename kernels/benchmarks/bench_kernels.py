@@ -29,12 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.moe import experts_reference, route_topk
 from zipmoe.engine.multimodal import VisualInputs
-from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy, route_topk
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import fused_moe
-from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_impl
+from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_reference, fused_experts_with_config
 from zipmoe.kernels.sere_reroute import sere_reroute, sere_reroute_reference
 
 from .random_model import QWEN3_30B_A3B, RandomStore, decoder_bytes
@@ -101,7 +100,7 @@ def bench_moe(copies: int = 4) -> list[dict]:
             "fused_triton_graph": lambda: graph_time_us(over_layers(fused_experts), calls=1) / copies,
             "fused_triton_eager": lambda: cuda_time_us(over_layers(fused_experts)) / copies,
             "grouped_mm_eager": lambda: cuda_time_us(over_layers(experts_grouped_mm)) / copies,
-            "expert_loop_eager": lambda: cuda_time_us(over_layers(experts_reference), reps=5) / copies,
+            "expert_loop_eager": lambda: cuda_time_us(over_layers(fused_experts_reference), reps=5) / copies,
         }
         for impl, measure in impls.items():
             try:
@@ -129,8 +128,8 @@ def sweep_moe(copies: int = 4) -> list[dict]:
                     for warps, stages in ((4, 4), (8, 3)):
                         cfg = MoeConfig(bm, bn, bk, warps, stages)
                         try:
-                            us = graph_time_us(lambda: [fused_experts_impl(x, ids, w, gu, dn, cfg) for gu, dn in layers],
-                                               calls=1) / copies
+                            us = graph_time_us(lambda: [fused_experts_with_config(x, ids, w, gu, dn, cfg)
+                                                        for gu, dn in layers], calls=1) / copies
                         except Exception as e:  # e.g. more shared memory than the device has
                             print(f"sweep {cfg}: {type(e).__name__}: {str(e)[:100]}")
                             continue
@@ -199,14 +198,14 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 engine.step()
             for _ in range(3):
                 engine.step()
-            before = engine.model.routing_stats.snapshot()
+            before = engine.routing_stats.snapshot()
             times = []
             for _ in range(steps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 engine.step()  # samples on the host: the step ends when its tokens are known
                 times.append((time.perf_counter() - t0) * 1e6)
-            after = engine.model.routing_stats.snapshot()
+            after = engine.routing_stats.snapshot()
             union = (after["union_after"] - before["union_after"]) / (after["layer_steps"] - before["layer_steps"])
             bucket = next(b for b in engine.runner.graphs.buckets if b >= B)
             replay_us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=2, reps=10)

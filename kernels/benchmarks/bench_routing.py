@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy, route_topk
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.sere_file import load_sere
@@ -43,18 +43,18 @@ def variants(sim: torch.Tensor, protect: torch.Tensor, rows: dict[int, int]) -> 
 
 def measure(engine: LLMEngine, prompts: list[list[int]], policy: RoutingPolicy, batch: int, steps: int) -> dict:
     engine.set_routing_policy(policy)
-    engine.model.routing_stats = stats = RoutingStats()
+    before = engine.routing_stats.snapshot()
     for i in range(batch):
         engine.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
     while engine.has_work:
         engine.step()
-    return summary(stats)
+    after = engine.routing_stats.snapshot()
+    return summary({k: after[k] - before[k] for k in after})
 
 
 def synthetic_30b(device: torch.device, steps: int, seed: int = 0, layers: int = 48, experts: int = 128,
                   top_k: int = 8, hidden: int = 2048, width: int = 768, calib_tokens: int = 1024) -> list[dict]:
     from zipmoe.build.sere_calibrate import gram_matrix, protection_scores, similarity, top_n
-    from zipmoe.engine.moe import route_topk
 
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -87,13 +87,13 @@ def synthetic_30b(device: torch.device, steps: int, seed: int = 0, layers: int =
                     probs, ids, w = route_topk(x, gates[layer], top_k, True)
                     routed.append((ids, policy.route(layer, probs, ids, w, None)[0]))
                 stats.add_step(routed, batch, experts)
-            rows.append({"policy": name, "batch": batch, **fields, **summary(stats)})
+            rows.append({"policy": name, "batch": batch, **fields, **summary(stats.snapshot())})
             report(name, batch, rows[-1])
     return rows
 
 
-def summary(stats: RoutingStats) -> dict:
-    s = stats.snapshot()
+def summary(s: dict[str, int]) -> dict:
+    """RoutingStats sums (a snapshot, or the difference of two) -> means per decode layer-step."""
     return {"union_topk": s["union_before"] / s["layer_steps"], "union": s["union_after"] / s["layer_steps"],
             "rerouted_slots_per_layer_step": s["rerouted_slots"] / s["layer_steps"]}
 

@@ -7,13 +7,14 @@ graph of the smallest bucket >= B, its extra rows padded with copies of row 0 (s
 position, context: so they route to the same experts and the union is unchanged) whose K/V
 go to the cache's scratch slot. The routing policy is part of the graph; buckets include
 routing_min_batch - 1 and routing_min_batch, so a bucket decides exactly as the batch would.
+Each capture's StepOutput (logits and routing) is kept: its tensors are what every replay rewrites.
 """
 from __future__ import annotations
 
 import torch
 
 from .kv_cache import KVCache
-from .model import Qwen3VLMoeTextDecoder, StepInputs
+from .model import Qwen3VLMoeTextDecoder, StepInputs, StepOutput
 
 
 def bucket_sizes(max_batch: int, routing_min_batch: int = 1) -> list[int]:
@@ -36,8 +37,7 @@ class DecodeGraphs:
         self.rows = torch.arange(n, device=dev)  # logit rows; every tensor a graph reads must outlive it
         self.scratch_slot = kv.scratch_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.routing: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.outputs: dict[int, StepOutput] = {}
         pool = None
         # Largest first: smaller graphs then fit in the memory pool the largest one already holds.
         for b in reversed(self.buckets):
@@ -45,9 +45,9 @@ class DecodeGraphs:
             model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = model.forward(self.input_ids[:b], step, kv, rows)
+                self.outputs[b] = model.forward(self.input_ids[:b], step, kv, rows)
             pool = graph.pool()
-            self.graphs[b], self.routing[b] = graph, model.last_routing
+            self.graphs[b] = graph
         torch.cuda.synchronize()
 
     @property
@@ -60,8 +60,9 @@ class DecodeGraphs:
                           context_lens=self.context_lens[:b], opt_out=self.opt_out[:b])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor, opt_out: torch.Tensor) -> torch.Tensor:
-        """Host tensors of one decode batch (B rows) -> logits [B, vocab] (valid until the next run)."""
+            block_tables: torch.Tensor, context_lens: torch.Tensor, opt_out: torch.Tensor) -> StepOutput:
+        """Host tensors of one decode batch (B rows) -> logits [B, vocab] and the routing of the whole
+        bucket (padding rows after the B real ones); valid until the next run."""
         B = input_ids.shape[0]
         b = next(s for s in self.buckets if s >= B)
         pad = torch.zeros(b, dtype=torch.long)  # padding rows copy row 0 ...
@@ -74,5 +75,5 @@ class DecodeGraphs:
         self.context_lens[:b].copy_(context_lens[pad], non_blocking=True)
         self.opt_out[:b].copy_(opt_out[pad], non_blocking=True)
         self.graphs[b].replay()
-        self.model.routing_stats.add_step(self.routing[b], B, self.model.cfg.num_experts)
-        return self.logits[b][:B]
+        out = self.outputs[b]
+        return StepOutput(out.logits[:B], out.routing)

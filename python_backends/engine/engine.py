@@ -9,48 +9,49 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TensorStore, TextConfig
+from ..settings import DTYPE_CHOICES, DTYPE_NAMES, check_fields, resolve_device_dtype, setting
 from .kv_cache import BlockManager, KVCache
 from .model import Qwen3VLMoeTextDecoder
-from .routing import make_policy
+from .routing import POLICIES, make_policy
 from .multimodal import VisualInputs
 from .runner import ModelRunner
 from .sampler import make_generator
 from .scheduler import Scheduler
 from .sequence import FinishReason, SamplingParams, Sequence
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int = 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    max_tokens_cap: int = 1024
-    routing_policy: str = "topk"  # topk | sere | oea (decode steps only)
-    sere_primary_k: int = 2
-    sere_threshold: float = 0.5
-    sere_protect: bool = True
-    oea_k0: int = 2
-    truncate_k: int = 2  # routing_policy truncate: every token keeps its first truncate_k experts
-    routing_min_batch: int = 1  # decode batches smaller than this keep plain top-K
-    cuda_graphs: bool = True  # on CUDA, replay the decode step from per-batch-size CUDA graphs
+    """The engine's settings; each is also a parameter of moe_decoder/config.pbtxt (`settings.py`)."""
+    device: str = setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
+    dtype: str = setting("auto", "weights and activations; auto = bfloat16 on cuda, float32 on cpu",
+                         choices=DTYPE_CHOICES)
+    block_size: int = setting(16, "tokens per paged KV-cache block", min=1)
+    num_kv_blocks: int = setting(1024, "KV-cache blocks in all", min=1)
+    max_num_seqs: int = setting(64, "sequences in one decode step", min=1)
+    max_num_batched_tokens: int = setting(8192, "prompt tokens in one prefill step", min=1)
+    max_model_len: int = setting(4096, "context length: prompt + generated tokens", min=2)
+    max_tokens_cap: int = setting(1024, "requests asking for more new tokens are refused", min=1)
+    routing_policy: str = setting("topk", "decode-step routing (prefill keeps the router's top-K)",
+                                  choices=POLICIES)
+    sere_primary_k: int = setting(2, "sere: each token's first K' experts form the batch's primary set", min=1)
+    sere_threshold: float = setting(0.5, "sere: re-route only to a primary at least this similar")
+    sere_protect: bool = setting(True, "sere: key experts (calibrated) are never re-routed")
+    oea_k0: int = setting(2, "oea: experts every token keeps", min=1)
+    truncate_k: int = setting(2, "truncate: experts every token keeps (a baseline)", min=1)
+    routing_min_batch: int = setting(1, "decode batches smaller than this keep plain top-K", min=1)
+    cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from per-batch-size CUDA graphs")
 
     def validate(self, text: TextConfig) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        check_fields(self)
         if self.max_model_len > text.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} > the model's {text.max_position_embeddings}")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError("num_kv_blocks * block_size must hold at least one max_model_len sequence")
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len (a full prompt is one prefill)")
-        if self.max_tokens_cap < 1:
-            raise ValueError("max_tokens_cap must be >= 1")
 
 
 class RequestError(ValueError):
@@ -64,18 +65,18 @@ class LLMEngine:
         self.config = config
         self.text = text or TextConfig.from_dir(checkpoint)
         config.validate(self.text)
-        device = torch.device(config.device)
-        dtype = DTYPES[config.dtype]
+        device, dtype = resolve_device_dtype(config.device, config.dtype)
+        self.device, self.dtype = torch.device(device), DTYPES[dtype]
         store = store or TensorStore(checkpoint)
-        policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, device,
+        policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, self.device,
                                        sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
                                        sere_protect=config.sere_protect, oea_k0=config.oea_k0,
                                        truncate_k=config.truncate_k,
                                        normalize=self.text.norm_topk_prob)
-        self.model = Qwen3VLMoeTextDecoder(self.text, store, dtype, device, policy, config.routing_min_batch)
+        self.model = Qwen3VLMoeTextDecoder(self.text, store, self.dtype, self.device, policy, config.routing_min_batch)
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, config.num_kv_blocks, config.block_size, self.text.num_kv_heads,
-                     self.text.head_dim, dtype, device)
+                     self.text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
                                   config.cuda_graphs)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -122,6 +123,11 @@ class LLMEngine:
         """Swaps the decode routing policy (benchmarks, tests); re-captures the CUDA graphs, which hold it."""
         self.model.policy = policy
         self.runner.capture_graphs()
+
+    @property
+    def routing_stats(self):
+        """Decode routing counters (mean expert union before/after re-routing), kept by the runner."""
+        return self.runner.routing_stats
 
     @property
     def has_work(self) -> bool:

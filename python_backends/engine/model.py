@@ -17,20 +17,18 @@ import torch.nn.functional as F
 from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .kv_cache import KVCache
 from ..kernels import layer_ops
-from ..kernels.fused_moe import fused_experts
-from ..kernels.layer_ops import rms_norm
+from ..kernels.fused_moe import fused_experts, fused_experts_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from .moe import experts_reference
-from .routing import RoutingPolicy, RoutingStats
+from .routing import RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
-KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm_fused, add_rms_norm=layer_ops.add_rms_norm,
+KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, topk_softmax=layer_ops.topk_softmax,
                           experts=fused_experts, decode_attention=paged_decode_attention)
-REFERENCE = SimpleNamespace(rms_norm=rms_norm, add_rms_norm=layer_ops.add_rms_norm_reference,
+REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             qk_norm_rope_cache=layer_ops.qk_norm_rope_cache_reference,
-                            topk_softmax=layer_ops.topk_softmax_reference, experts=experts_reference,
+                            topk_softmax=layer_ops.topk_softmax_reference, experts=fused_experts_reference,
                             decode_attention=paged_decode_attention_reference)
 
 
@@ -47,6 +45,15 @@ class StepInputs:
     visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
     visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
     deepstack: torch.Tensor | None = None  # [layers, V, hidden] added to those rows after the first layers
+
+
+@dataclass
+class StepOutput:
+    """What one forward returns. In a captured CUDA graph these are the capture's tensors, which
+    every replay rewrites."""
+    logits: torch.Tensor  # [len(logit_rows), vocab] float32
+    # Decode: (router's ids, ids computed) [T, K] of each MoE layer, for RoutingStats; prefill: [].
+    routing: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Layer:
@@ -97,10 +104,6 @@ class Qwen3VLMoeTextDecoder:
         self.device = device
         self.policy = policy
         self.routing_min_batch = routing_min_batch  # smaller decode batches keep plain top-K
-        self.routing_stats = RoutingStats()
-        # (router's ids, ids computed) of each MoE layer in the last decode forward; a captured CUDA
-        # graph keeps the list of its capture, whose tensors every replay rewrites.
-        self.last_routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.on_cuda = device.type == "cuda"
         self.ops = KERNELS if self.on_cuda else REFERENCE
         self.embed = store.get(TEXT_PREFIX + "embed_tokens.weight").to(device=device, dtype=dtype)
@@ -117,10 +120,10 @@ class Qwen3VLMoeTextDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv: KVCache,
-                logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows."""
-        if not step.is_prefill:
-            self.last_routing = []
+                logit_rows: torch.Tensor) -> StepOutput:
+        """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows, and a
+        decode step's routing."""
+        routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         ops, eps = self.ops, self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         rows = step.visual_rows
@@ -130,7 +133,7 @@ class Qwen3VLMoeTextDecoder:
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for layer, nxt in zip(self.layers, self.layers[1:] + [None]):
             h, x = ops.add_rms_norm(h, self._attention(layer, x, cos, sin, step, kv), layer.post_norm, eps)
-            out = self._moe(layer, x, step) if layer.is_moe else self._mlp(layer, x)
+            out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
             inject = step.deepstack is not None and layer.idx < step.deepstack.shape[0]
             if nxt is not None and not inject:
                 # The residual add and the next layer's input norm in one pass.
@@ -142,7 +145,7 @@ class Qwen3VLMoeTextDecoder:
             if nxt is not None:
                 x = ops.rms_norm(h, nxt.input_norm, eps)
         h = ops.rms_norm(h[logit_rows], self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return StepOutput(F.linear(h, self.lm_head).float(), routing)
 
     def _attention(self, layer: Layer, x, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
         cfg = self.cfg
@@ -168,7 +171,9 @@ class Qwen3VLMoeTextDecoder:
                                             step.context_lens, kv.block_size, self.scale)
         return F.linear(out.reshape(T, -1), layer.o)
 
-    def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs,
+             routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Router, the policy (decode only; appends (router's ids, ids computed) to `routing`), experts."""
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
         probs, ids, weights = self.ops.topk_softmax(F.linear(x, layer.gate), self.cfg.top_k,
@@ -177,7 +182,7 @@ class Qwen3VLMoeTextDecoder:
             routed, weights = ids, weights
             if x.shape[0] >= self.routing_min_batch:
                 routed, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
-            self.last_routing.append((ids, routed))
+            routing.append((ids, routed))
             ids = routed
         return self.ops.experts(x, ids, weights, layer.gate_up, layer.down)
 

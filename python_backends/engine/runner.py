@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into model inputs, runs one forward and samples one token per sequence."""
+"""Turns a scheduled batch into model inputs, runs one forward (eager, or a decode step's CUDA graph)
+and samples one token per sequence; every decode step's routing goes into `routing_stats`."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ import torch
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager, KVCache
 from .model import Qwen3VLMoeTextDecoder, StepInputs
+from .routing import RoutingStats
 from .sampler import sample
 from .sequence import Sequence
 
@@ -20,6 +22,7 @@ class ModelRunner:
         self.max_blocks = blocks.blocks_needed(max_model_len)
         self.max_num_seqs = max_num_seqs
         self.use_graphs = model.on_cuda and cuda_graphs
+        self.routing_stats = RoutingStats()
         self.graphs: DecodeGraphs | None = None
         self.capture_graphs()
 
@@ -92,12 +95,13 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         if is_prefill:
             ids, step, rows = self.prepare_prefill(seqs)
-            return sample(self.model.forward(ids, step, self.kv, rows), seqs)
+            return sample(self.model.forward(ids, step, self.kv, rows).logits, seqs)
         batch = self.decode_batch(seqs)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            logits = self.graphs.run(**batch)
+            out = self.graphs.run(**batch)
         else:
             ids, step, rows = self.prepare_decode(batch)
-            logits = self.model.forward(ids, step, self.kv, rows)
-            self.model.routing_stats.add_step(self.model.last_routing, len(seqs), self.model.cfg.num_experts)
-        return sample(logits, seqs)
+            out = self.model.forward(ids, step, self.kv, rows)
+        # Only the real rows count: a graph's bucket pads the batch with copies of row 0.
+        self.routing_stats.add_step(out.routing, len(seqs), self.model.cfg.num_experts)
+        return sample(out.logits, seqs)

@@ -18,7 +18,8 @@ import triton_python_backend_utils as pb_utils
 from PIL import Image
 
 from ..image_pipeline import INPUT_NAME, ImageConfig, header_pipeline, image_pipeline
-from .io import BadInput, error_response, model_parameters, resolve_checkpoint, strings
+from ..serving.errors import BadInput
+from .io import error_response, load_settings, resolve_checkpoint, strings
 
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
 EOI_WINDOW = 4096  # a JPEG's end-of-image marker must be within this many bytes of its end
@@ -89,11 +90,10 @@ def _warmup_images(count: int) -> list[np.ndarray]:
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = model_parameters(args)
-        checkpoint = resolve_checkpoint(args, params)
+        location, settings = load_settings(args, "image_decode")
+        checkpoint = resolve_checkpoint(args, location.checkpoint_path)
         cfg = ImageConfig.from_checkpoint(checkpoint)
-        self.max_images = int(params.get("max_images", "64"))
-        self.max_image_pixels = int(params.get("max_image_pixels", "40000000"))
+        self.max_images, self.max_image_pixels = settings.max_images, settings.max_image_pixels
         if torch.cuda.is_available():  # mixed decoding (nvJPEG / hardware decoder), GPU resize
             gpu = args.get("model_instance_kind") == "GPU"
             device_id = int(args["model_instance_device_id"]) if gpu else torch.cuda.current_device()

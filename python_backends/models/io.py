@@ -1,4 +1,4 @@
-"""Helpers shared by the Python-backend models: config parameters and request inputs.
+"""Helpers shared by the Triton adapters (`models/*.py`): settings, request inputs, metrics, errors.
 
 Only the Triton stub imports `triton_python_backend_utils`; it is passed in here so that the
 rest of the package (and the unit tests) never need it.
@@ -11,20 +11,21 @@ from pathlib import Path
 
 import numpy as np
 
+from ..serving.errors import BadInput
+from ..serving.model_settings import MODEL_SETTINGS
+from ..settings import parse_parameters
 
-class BadInput(ValueError):
-    """A client error: becomes a TritonError naming the problem; the server keeps serving."""
 
-
-def model_parameters(args: dict) -> dict[str, str]:
-    """The `parameters` of a model's config.pbtxt as a plain dict of strings."""
+def load_settings(args: dict, model: str) -> tuple:
+    """The model's config.pbtxt `parameters`, parsed into the dataclasses that MODEL_SETTINGS[model]
+    names (an unknown or malformed parameter fails the load, naming the known ones)."""
     cfg = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+    params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+    return parse_parameters(params, *MODEL_SETTINGS[model], model=args.get("model_name", model))
 
 
-def resolve_checkpoint(args: dict, params: dict[str, str]) -> Path:
+def resolve_checkpoint(args: dict, raw: str) -> Path:
     """`checkpoint_path` from config.pbtxt; a relative path is relative to the repository's parent folder."""
-    raw = params.get("checkpoint_path", "")
     if not raw:
         raise ValueError("config.pbtxt parameter checkpoint_path is not set")
     path = Path(raw)
@@ -34,19 +35,6 @@ def resolve_checkpoint(args: dict, params: dict[str, str]) -> Path:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"checkpoint_path {path} has no config.json (build it: make checkpoint)")
     return path
-
-
-def device_and_dtype(params: dict[str, str]) -> tuple[str, str]:
-    """`device` / `dtype` parameters; auto = cuda + bfloat16 when a GPU is visible, else cpu + float32."""
-    import torch
-
-    device = params.get("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = params.get("dtype", "auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
 
 
 def get_input(pb_utils, request, name: str) -> np.ndarray | None:
@@ -67,6 +55,14 @@ def scalar(pb_utils, request, name: str, default, kind: type):
     return kind(value)
 
 
+def read_options(pb_utils, request, specs: dict) -> dict:
+    """Optional inputs declared in `serving.interface` as Python values, each spec's default where the
+    client left one out: lists of bytes for [-1] BYTES inputs, scalars for [1] ones."""
+    kinds = {"BYTES": str, "BOOL": bool, "INT32": int, "UINT64": int, "FP32": float}
+    return {name: (strings(pb_utils, request, name) or list(spec.default)) if spec.is_list
+            else scalar(pb_utils, request, name, spec.default, kinds[spec.dtype]) for name, spec in specs.items()}
+
+
 def strings(pb_utils, request, name: str) -> list[bytes]:
     """An optional STRING[-1] input as a list of byte strings (empty when absent)."""
     arr = get_input(pb_utils, request, name)
@@ -82,9 +78,6 @@ class SyncedMetric:
     def __init__(self, metric, counter: bool):
         self.metric, self.counter, self.sent = metric, counter, 0
         self._lock = threading.Lock()  # two threads must not send the same growth twice
-
-    def increment(self, value) -> None:
-        self.metric.increment(value)
 
     def sync(self, value) -> None:
         with self._lock:

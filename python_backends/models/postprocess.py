@@ -5,12 +5,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..detokenize import TokenBytes, window_text
-from .io import model_parameters, resolve_checkpoint
+from .io import load_settings, resolve_checkpoint
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.token_bytes = TokenBytes.from_tokenizer_json(resolve_checkpoint(args, model_parameters(args)))
+        (location,) = load_settings(args, "postprocess")
+        self.token_bytes = TokenBytes.from_tokenizer_json(resolve_checkpoint(args, location.checkpoint_path))
 
     def execute(self, requests):
         responses = []

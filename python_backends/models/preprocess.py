@@ -5,13 +5,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..prompt import ChatPrompt
-from .io import BadInput, error_response, model_parameters, resolve_checkpoint, scalar, strings
+from ..serving.errors import BadInput
+from .io import error_response, load_settings, resolve_checkpoint, scalar, strings
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = model_parameters(args)
-        self.prompt = ChatPrompt(resolve_checkpoint(args, params))
+        (location,) = load_settings(args, "preprocess")
+        self.prompt = ChatPrompt(resolve_checkpoint(args, location.checkpoint_path))
 
     def execute(self, requests):
         return [self._one(r) for r in requests]

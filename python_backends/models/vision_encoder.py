@@ -10,9 +10,11 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..engine.engine import DTYPES
+from ..serving.errors import BadInput
+from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
 from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
-from .io import BadInput, device_and_dtype, error_response, model_parameters, resolve_checkpoint, scalar
+from .io import error_response, load_settings, resolve_checkpoint, scalar
 
 
 def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
@@ -33,14 +35,10 @@ def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = model_parameters(args)
-        device, dtype = device_and_dtype(params)
-        self.encoder = VisionEncoder(resolve_checkpoint(args, params), torch.device(device), DTYPES[dtype],
-                                     int(params.get("importance_layer", "-1")),
-                                     params.get("budget_weighting", "distinct"))
-        self.keep_ratio = float(params.get("keep_ratio", "0.6"))
-        self.context_fraction = float(params.get("context_fraction", "0.05"))
-        self.min_per_image = int(params.get("min_tokens_per_image", "4"))
+        location, settings, self.visionzip = load_settings(args, "vision_encoder")
+        device, dtype = resolve_device_dtype(settings.device, settings.dtype)
+        self.encoder = VisionEncoder(resolve_checkpoint(args, location.checkpoint_path), torch.device(device),
+                                     DTYPES[dtype], settings.importance_layer, settings.budget_weighting)
         self.multiple = self.encoder.patch * self.encoder.merge
 
     def execute(self, requests):
@@ -48,7 +46,7 @@ class TritonPythonModel:
         jobs = []  # (index, images, keep ratio) of the valid requests
         for i, request in enumerate(requests):
             try:
-                ratio = scalar(pb_utils, request, "visual_keep_ratio", self.keep_ratio, float)
+                ratio = scalar(pb_utils, request, "visual_keep_ratio", self.visionzip.keep_ratio, float)
                 if not 0.0 < ratio <= 1.0:
                     raise BadInput(f"visual_keep_ratio must be in (0, 1], got {ratio}")
                 # dlpack: image_decode's GPU tensor arrives as it is (config: FORCE_CPU_ONLY_INPUT_TENSORS no).
@@ -68,7 +66,7 @@ class TritonPythonModel:
             for i, images, ratio in jobs:
                 mine = feats[start:start + len(images)]
                 start += len(images)
-                tokens = compress(mine, ratio, self.context_fraction, self.min_per_image)
+                tokens = compress(mine, ratio, self.visionzip.context_fraction, self.visionzip.min_tokens_per_image)
                 wants = set(requests[i].requested_output_names())
                 responses[i] = self._response(tokens, mine if wants & {"token_importance", "token_keys"} else None)
         return responses

@@ -1,0 +1,295 @@
+"""moe_decoder's service, without Triton: typed requests in, streamed token windows out.
+
+`models/moe_decoder.py` turns each Triton request into a `DecodeRequest` and a `ResponseSink`
+(its response sender) and calls `submit()`, which splices the kept visual tokens into the prompt,
+checks the request against the engine's limits and queues it — a bad request is refused there,
+never in the middle of a batched step. The engine thread admits queued requests between steps
+(so they join the running batch at the next step), drops cancelled ones (their KV blocks freed
+before the next step), runs one step, and answers each sequence through its sink: one
+`DecodeResponse` per token when streaming, one at the end otherwise. Each response carries a
+window of token ids and the byte range of it that is new text (`detokenize.TextStream`), which
+postprocess turns into a UTF-8-safe text delta.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from ..detokenize import TextStream, TokenBytes
+from ..engine.engine import LLMEngine
+from ..engine.multimodal import VisualInputs, splice_images
+from ..engine.sequence import SamplingParams, Sequence
+from ..settings import setting
+from .errors import BadInput
+
+METRICS_PERIOD_S = 0.1
+
+# stats() name -> (Prometheus metric, help), as the adapter publishes them; counters only grow.
+COUNTERS = {
+    "requests_completed": ("zipmoe_requests_completed_total", "Requests that finished generating"),
+    "ttft_us": ("zipmoe_ttft_microseconds_total", "Sum of time to first token (arrival to first token)"),
+    "decode_us": ("zipmoe_decode_microseconds_total", "Sum of time from first to last token"),
+    "decode_tokens": ("zipmoe_decode_tokens_total", "Tokens generated after the first one"),
+    "prompt_tokens": ("zipmoe_prompt_tokens_total", "Prompt tokens prefilled"),
+    "preemptions": ("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks"),
+    "requests_cancelled": ("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled"),
+    # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
+    "layer_steps": ("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
+    "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
+    "union_after": ("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
+    "rerouted_slots": ("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
+}
+GAUGES = {
+    "kv_blocks_free": ("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
+    "kv_blocks_total": ("zipmoe_kv_blocks_total", "KV cache blocks in all"),
+    "running": ("zipmoe_running_requests", "Sequences in the decode batch"),
+    "waiting": ("zipmoe_waiting_requests", "Sequences waiting for admission"),
+}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """moe_decoder's own settings (the engine's are `EngineConfig`)."""
+    default_max_tokens: int = setting(64, "max_tokens of a request that sets none", min=1)
+
+
+@dataclass
+class VisualTokens:
+    """vision_encoder's kept tokens of one request (interface.VISUAL_TOKENS)."""
+    embeds: torch.Tensor  # [V, hidden]
+    deepstack: torch.Tensor  # [layers, V, hidden]
+    positions: torch.Tensor  # [V, 2] (row, col) in each image's merged grid
+    grids: torch.Tensor  # [images, 2]
+    kept: torch.Tensor  # [images] tokens kept per image
+
+
+@dataclass
+class DecodeRequest:
+    input_ids: list[int]  # the prompt, one placeholder per image
+    options: dict  # interface.DECODER_OPTIONS by name, defaults filled in (max_tokens None: the server's)
+    visual: VisualTokens | None = None  # None or no images: a text-only request
+
+
+@dataclass
+class DecodeResponse:
+    output_ids: np.ndarray  # int32 window of generated ids ...
+    text_range: tuple[int, int]  # ... and the byte range of it that is new text
+    input_token_count: int
+    output_token_count: int
+    finish_reason: str  # empty until the last response
+    visual_tokens_kept: np.ndarray  # int32, per image (echoed in every response)
+
+
+class ResponseSink(Protocol):
+    """Where one request's responses go (the adapter wraps Triton's response sender). A send may
+    raise when the client has gone away."""
+
+    def send(self, response: DecodeResponse | None, final: bool) -> None: ...  # None + final: just "done"
+    def send_error(self, message: str) -> None: ...  # the request's final response
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Pending:
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: ResponseSink
+    stream: bool
+    text: TextStream
+    arrival: float
+    visual: VisualInputs | None
+    tokens_kept: np.ndarray
+    opt_out: bool  # the client sent sere=false: this request keeps its top-K experts
+    seq: Sequence | None = None  # set when the engine thread admits the request
+
+
+def sampling_params(options: dict, default_max_tokens: int) -> SamplingParams:
+    max_tokens = options.get("max_tokens")
+    return SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else int(max_tokens),
+        temperature=float(options.get("temperature", 0.0)), top_p=float(options.get("top_p", 1.0)),
+        top_k=int(options.get("top_k", 0)), seed=options.get("random_seed"),
+        stop=tuple(s for s in options.get("stop_words", ()) if s), ignore_eos=bool(options.get("ignore_eos", False)))
+
+
+class DecoderService:
+    def __init__(self, engine: LLMEngine, token_bytes: TokenBytes, config: DecoderConfig = DecoderConfig(),
+                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print):
+        """publish(stats()) is called from the engine thread, at most every METRICS_PERIOD_S while
+        it works and whenever a request ends."""
+        self.engine = engine
+        self.token_bytes = token_bytes
+        self.config = config
+        self._publish, self._log_error = publish, log_error
+        self._inbox: queue.Queue[Pending] = queue.Queue()
+        self._live: dict[int, Pending] = {}
+        self._stop = threading.Event()
+        self._published_at = 0.0
+        self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "ttft_us", "decode_us",
+                                     "decode_tokens", "prompt_tokens"), 0)
+        self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
+        self._thread.start()
+
+    # --- any thread ----------------------------------------------------------------------------
+
+    def submit(self, request: DecodeRequest, sink: ResponseSink) -> None:
+        """Checks and queues a request; a bad one raises BadInput or engine.RequestError (nothing queued)."""
+        params = sampling_params(request.options, self.config.default_max_tokens)
+        ids, visual, kept = self._splice(request)
+        self.engine.check_request(ids, params, visual)
+        opt_out = not request.options.get("sere", True)
+        self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
+                                TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, opt_out))
+
+    def _splice(self, request: DecodeRequest) -> tuple[list[int], VisualInputs | None, np.ndarray]:
+        """Expands each image placeholder to the tokens the vision encoder kept (none for text-only)."""
+        v = request.visual
+        if v is None or v.kept.numel() == 0:
+            return request.input_ids, None, np.zeros(0, np.int32)
+        kept = v.kept.reshape(-1).int()
+        width, total, images = self.engine.text.hidden_size, int(kept.sum()), kept.numel()
+        # Everything must describe the same kept tokens: a request that does not is refused here, not
+        # in the middle of a batched step (where it would fail the other requests).
+        shapes = {"visual_embeds": (v.embeds, (total, width)), "visual_positions": (v.positions, (total, 2)),
+                  "image_grids": (v.grids, (images, 2))}
+        for name, (tensor, shape) in shapes.items():
+            if tensor is None or tuple(tensor.shape) != shape:
+                got = None if tensor is None else list(tensor.shape)
+                raise BadInput(f"{name} must have shape {list(shape)} for visual_tokens_kept {kept.tolist()}, got {got}")
+        if v.deepstack is None or v.deepstack.ndim != 3 or tuple(v.deepstack.shape[1:]) != (total, width):
+            raise BadInput(f"deepstack_embeds must have shape [layers, {total}, {width}]")
+        grids = [tuple(g) for g in v.grids.tolist()]
+        try:
+            ids, pos, delta = splice_images(request.input_ids, self.engine.text.image_token_id, kept.tolist(),
+                                            v.positions, grids)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        return ids, VisualInputs(v.embeds, v.deepstack, pos, delta), kept.numpy()
+
+    def stats(self) -> dict[str, int]:
+        """Counters (only grow) and gauges of the service, the engine's KV cache and its routing."""
+        sched = self.engine.scheduler
+        return {**self.counts, "preemptions": sched.num_preemptions,
+                "kv_blocks_free": self.engine.blocks.num_free, "kv_blocks_total": self.engine.blocks.num_blocks,
+                "running": len(sched.running), "waiting": len(sched.waiting),
+                **self.engine.routing_stats.snapshot()}
+
+    def shutdown(self, message: str = "the server is shutting down") -> None:
+        """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final
+        error: a request left open keeps the server's shutdown waiting for it."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        pending = list(self._live.values())
+        while not self._inbox.empty():
+            pending.append(self._inbox.get_nowait())
+        for p in pending:
+            try:
+                p.sink.send_error(message)
+            except Exception:  # the client is gone already
+                pass
+        self._live.clear()
+
+    # --- engine thread -------------------------------------------------------------------------
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                self._iterate()
+            except Exception as e:  # a bug must not hang clients or kill the thread: fail what is in flight
+                self._log_error(f"moe_decoder engine step failed: {e!r}")
+                for p in list(self._live.values()):
+                    self._fail(p, f"engine step failed: {e!r}")
+
+    def _iterate(self):
+        self._admit(block=not self.engine.has_work)
+        self._drop_cancelled()
+        results = self.engine.step() if self.engine.has_work else []
+        for seq, token in results:
+            pending = self._live.get(seq.seq_id)
+            if pending is not None:
+                self._respond(pending, token)
+        self._maybe_publish(force=False)
+
+    def _maybe_publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if self._publish is None or (not force and self.engine.has_work and now - self._published_at < METRICS_PERIOD_S):
+            return
+        self._published_at = now
+        self._publish(self.stats())
+
+    def _admit(self, block: bool):
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            p = item
+            try:
+                p.seq = self.engine.add_request(p.prompt_ids, p.params, opt_out=p.opt_out, visual=p.visual)
+            except Exception as e:  # checked in submit() already; never let one request fail the others
+                self._send_error(p, str(e))
+            else:
+                p.seq.arrival = p.arrival  # time to first token counts from submit()
+                self._live[p.seq.seq_id] = p
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self):
+        for p in list(self._live.values()):
+            if p.sink.is_cancelled():
+                self.engine.abort(p.seq)
+                del self._live[p.seq.seq_id]
+                self.counts["requests_cancelled"] += 1
+                self._send(p, None, final=True)
+
+    def _respond(self, p: Pending, token: int):
+        seq = p.seq
+        if p.text.push(token) and not seq.finished:
+            self.engine.finish_stopped(seq)
+        if not (p.stream or seq.finished):
+            return
+        first, begin, end = p.text.release(final=seq.finished)
+        response = DecodeResponse(np.asarray(seq.output_ids[first:], dtype=np.int32), (begin, end),
+                                  len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept)
+        if seq.finished:
+            del self._live[seq.seq_id]
+            self._record(seq)
+            # Publish before the last response: a client that has it then finds its work in the metrics.
+            self._maybe_publish(force=True)
+        self._send(p, response, final=seq.finished)
+
+    def _record(self, seq: Sequence):
+        now = time.monotonic()
+        c = self.counts
+        c["requests_completed"] += 1
+        c["prompt_tokens"] += len(seq.prompt_ids)
+        c["ttft_us"] += int((seq.first_token_time - seq.arrival) * 1e6)
+        c["decode_us"] += int((now - seq.first_token_time) * 1e6)
+        c["decode_tokens"] += len(seq.output_ids) - 1
+
+    def _fail(self, p: Pending, message: str):
+        self.engine.abort(p.seq)
+        self._live.pop(p.seq.seq_id, None)
+        self._send_error(p, message)
+
+    def _send_error(self, p: Pending, message: str):
+        try:
+            p.sink.send_error(message)
+        except Exception:  # the client is gone
+            pass
+
+    def _send(self, p: Pending, response: DecodeResponse | None, final: bool):
+        try:
+            p.sink.send(response, final)
+        except Exception:  # the client went away between the check and the send
+            if not p.seq.finished:
+                self.engine.abort(p.seq)
+                self._live.pop(p.seq.seq_id, None)

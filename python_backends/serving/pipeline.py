@@ -1,0 +1,253 @@
+"""mm_qa_bls's orchestration, without Triton: the mm_qa pipeline with what an ensemble cannot express.
+
+`models/mm_qa_bls.py` turns each Triton request into a `QARequest` and a `ClientSink` and calls
+`submit()`; the composed models are reached through `ModelCalls` (BLS in the adapter). Per
+request, on a worker thread: preprocess -> each image's features from the cache or, for the
+misses (batched with other requests' misses by `VisionBatcher`), image_decode -> vision_encoder at
+keep ratio 1.0 -> VisionZip over all the request's images under one budget -> moe_decoder
+(streams) -> postprocess per response -> client. The cache holds features *before* VisionZip, so a
+cached image serves any keep ratio.
+
+Cancellation: relaying stops (no more postprocess calls or sends), the decoder's remaining
+responses are read to the end (a decoupled BLS stream is freed only then, and server 2.51 cannot
+cancel it), and only then is the final flag sent (while the client's request is open the server
+does not finalize the model; sent earlier, a shutdown right after a cancel hung, measured).
+"""
+from __future__ import annotations
+
+import queue
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+import torch
+
+from ..embedding_cache import EmbeddingCache, content_key
+from ..settings import setting
+from ..visionzip import ImageFeatures, VisionZipConfig, compress, decoder_inputs
+from .errors import BadInput, ModelError
+
+# moe_decoder outputs that go to the client as they are (text_output comes from postprocess).
+RELAYED = ("input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept")
+# cache_stats() name -> (Prometheus metric, help), as the adapter publishes them.
+CACHE_METRICS = {
+    "hits": ("zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
+    "misses": ("zipmoe_bls_cache_misses_total", "Images sent to image_decode + vision_encoder"),
+    "evictions": ("zipmoe_bls_cache_evictions_total", "Cached images evicted for space"),
+    "bytes": ("zipmoe_bls_cache_bytes", "Bytes of vision features cached"),
+}
+CACHE_GAUGES = {"bytes"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """mm_qa_bls's settings (VisionZip's are read from vision_encoder/config.pbtxt: one source)."""
+    max_images: int = setting(64, "images per request; more are refused before any work (<= image_decode's)", min=0)
+    cache_bytes: int = setting(268435456, "bytes of vision features cached (LRU); 0 disables the cache", min=0)
+    max_concurrent_requests: int = setting(64, "requests in progress at once (worker threads); more wait", min=1)
+
+
+@dataclass
+class QARequest:
+    question: str
+    images: list[bytes]
+    keep_ratio: float | None  # None: vision_encoder's keep_ratio
+    decoder_inputs: dict  # the client's DECODER_OPTIONS, passed on to moe_decoder as they came
+
+
+class DecoderStream(Protocol):
+    def __iter__(self) -> Iterator[dict]: ...  # each response's outputs by name; ModelError on an error
+    def drain(self) -> None: ...  # read whatever is left, to the end
+
+
+class ModelCalls(Protocol):
+    """The composed models (BLS calls in the adapter); tensors other than features are opaque here."""
+    def tokenize(self, question: str, images: list[bytes]) -> object: ...  # preprocess -> input_ids
+    def encode_images(self, images: list[bytes]) -> list[ImageFeatures]: ...  # image_decode -> vision_encoder
+    def decode(self, inputs: dict) -> DecoderStream: ...  # moe_decoder
+    def detokenize(self, outputs: dict) -> object: ...  # postprocess: a response's window -> text_output
+
+
+class ClientSink(Protocol):
+    def send(self, outputs: dict) -> None: ...  # one response, not the last
+    def close(self, error: str | None) -> None: ...  # the final flag, with the request's error if any
+    def is_cancelled(self) -> bool: ...
+
+
+def renumber_images(message: str, positions: list[int]) -> str:
+    """image_decode and vision_encoder name an image by its index in the batch they got (the cache
+    misses); the client needs its index in the request."""
+    def fix(m: re.Match) -> str:
+        i = int(m.group(1))
+        return f"image {positions[i] if i < len(positions) else i}"
+    return re.sub(r"\bimage (\d+)", fix, message)
+
+
+def split_features(out: dict[str, np.ndarray]) -> list[ImageFeatures]:
+    """vision_encoder's outputs at keep ratio 1.0 -> one ImageFeatures per image.
+
+    All rows of all images are back to back, image by image, in token order. Each image's rows are
+    copied so that a cached image holds its own memory, not a view of the whole request's."""
+    counts = out["visual_tokens_kept"].reshape(-1).tolist()
+    grids = [tuple(g) for g in out["image_grids"].reshape(-1, 2).tolist()]
+    if counts != [rows * cols for rows, cols in grids]:
+        raise RuntimeError(f"vision_encoder kept {counts} tokens of grids {grids}: not every token (keep 1.0?)")
+    features, start = [], 0
+
+    def owned(array: np.ndarray, index) -> torch.Tensor:
+        return torch.from_numpy(array[index].copy())
+
+    for count, grid in zip(counts, grids):
+        rows = slice(start, start + count)
+        start += count
+        features.append(ImageFeatures(owned(out["visual_embeds"], rows),
+                                      owned(out["deepstack_embeds"], (slice(None), rows)),
+                                      owned(out["token_importance"], rows), owned(out["token_keys"], rows), grid))
+    return features
+
+
+class VisionBatcher:
+    """Gathers the cache misses of every request waiting and sends them through the vision tower in
+    one call (at most `max_images`): concurrent requests share a vision forward. If a shared call
+    fails (one request's image does not decode), each request is retried alone, so the error
+    reaches only its owner."""
+
+    def __init__(self, encode: Callable[[list[bytes]], list], max_images: int):
+        self.encode = encode
+        self.max_images = max_images
+        self._queue: queue.Queue[tuple[list[bytes], Future]] = queue.Queue()
+        threading.Thread(target=self._loop, name="mm_qa_bls-vision", daemon=True).start()
+
+    def features(self, images: list[bytes]) -> list:
+        done: Future = Future()
+        self._queue.put((images, done))
+        return done.result()
+
+    def _loop(self):
+        while True:
+            batch = [self._queue.get()]
+            count = len(batch[0][0])
+            while True:  # take whatever else waits, as long as it fits
+                try:
+                    images, done = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if count + len(images) > self.max_images:
+                    self._queue.put((images, done))  # next round (order among waiters does not matter)
+                    break
+                batch.append((images, done))
+                count += len(images)
+            self._run(batch)
+
+    def _run(self, batch):
+        try:
+            features = self.encode([im for images, _ in batch for im in images])
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0][1].set_exception(e)
+                return
+            for job in batch:
+                self._run([job])
+            return
+        start = 0
+        for images, done in batch:
+            done.set_result(features[start:start + len(images)])
+            start += len(images)
+
+
+class QAPipeline:
+    def __init__(self, calls: ModelCalls, config: PipelineConfig, visionzip: VisionZipConfig,
+                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print):
+        """publish(cache counters) is called after each request's cache lookups."""
+        self.calls, self.config, self.visionzip = calls, config, visionzip
+        self._publish, self._log_error = publish, log_error
+        self.cache = EmbeddingCache(config.cache_bytes)
+        self.vision = VisionBatcher(calls.encode_images, config.max_images)
+        self._queued: dict[Future, ClientSink] = {}  # submitted and not yet finished
+        self.pool = ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="mm_qa_bls")
+
+    def check(self, request: QARequest) -> None:
+        """Refuses a bad request before any work (BadInput)."""
+        if not request.question.strip():
+            raise BadInput("text_input is empty: ask a question")
+        if len(request.images) > self.config.max_images:
+            raise BadInput(f"{len(request.images)} images; this deployment accepts at most {self.config.max_images}")
+        for i, image in enumerate(request.images):
+            if not image:
+                raise BadInput(f"image {i}: empty")
+        if request.keep_ratio is not None and not 0.0 < request.keep_ratio <= 1.0:
+            raise BadInput(f"visual_keep_ratio must be in (0, 1], got {request.keep_ratio}")
+
+    def submit(self, request: QARequest, sink: ClientSink) -> None:
+        """Checks the request (BadInput, nothing started) and answers it on a worker thread."""
+        self.check(request)
+        future = self.pool.submit(self._serve, request, sink)
+        self._queued[future] = sink
+        future.add_done_callback(lambda f: self._queued.pop(f, None) if not f.cancelled() else None)
+
+    def _serve(self, request: QARequest, sink: ClientSink) -> None:
+        error = None
+        try:
+            self._answer(request, sink)
+        except ModelError as e:
+            error = str(e)
+        except Exception as e:  # a bug must not leave the client waiting
+            self._log_error(f"mm_qa_bls: request failed: {e!r}")
+            error = f"mm_qa_bls failed: {e!r}"
+        sink.close(error)
+
+    def _answer(self, request: QARequest, sink: ClientSink) -> None:
+        decoder_in = {"input_ids": self.calls.tokenize(request.question, request.images), **request.decoder_inputs}
+        if request.images:
+            vz = self.visionzip
+            ratio = vz.keep_ratio if request.keep_ratio is None else request.keep_ratio
+            tokens = compress(self._features(request.images), ratio, vz.context_fraction, vz.min_tokens_per_image)
+            decoder_in.update(decoder_inputs(tokens))
+        if sink.is_cancelled():
+            return
+        stream = self.calls.decode(decoder_in)
+        finished = False
+        try:
+            for out in stream:
+                if sink.is_cancelled():
+                    return
+                sink.send({"text_output": self.calls.detokenize(out), **{name: out[name] for name in RELAYED}})
+            finished = True
+        finally:
+            if not finished:  # cancelled, or an error: see the module docstring
+                stream.drain()
+
+    def _features(self, images: list[bytes]) -> list[ImageFeatures]:
+        """Each image's features: from the cache, or (the misses, once each, in one call) from the vision tower."""
+        keys = [content_key(image) for image in images]
+        position = {}  # key -> index of its first image in the request
+        for i, key in enumerate(keys):
+            position.setdefault(key, i)
+        found = {key: self.cache.get(key) for key in position}
+        missing = [key for key, value in found.items() if value is None]
+        if missing:
+            try:
+                computed = self.vision.features([images[position[k]] for k in missing])
+            except ModelError as e:
+                raise ModelError(renumber_images(str(e), [position[k] for k in missing])) from None
+            for key, value in zip(missing, computed):
+                self.cache.put(key, value)
+                found[key] = value
+        if self._publish is not None:
+            self._publish(self.cache_stats())
+        return [found[key] for key in keys]
+
+    def cache_stats(self) -> dict[str, int]:
+        return {name: getattr(self.cache, name) for name in CACHE_METRICS}
+
+    def shutdown(self, message: str = "the server is shutting down") -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        # Requests still queued were cancelled above: each still needs its final response, or the
+        # server's shutdown waits for it.
+        for future, sink in list(self._queued.items()):
+            if future.cancelled():
+                sink.close(message)
+

@@ -1,0 +1,105 @@
+"""Settings: each one declared once, as a field of a config dataclass, and read from there.
+
+A Triton model's `parameters` in config.pbtxt arrive as strings; `parse_parameters` turns them
+into the dataclasses that declare them (type, default, allowed range or choices, help), and
+refuses a parameter no dataclass declares, or a value that does not parse, naming the known
+ones. Fields are declared with `setting(...)`; the dataclass's default is the only default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+# Parameters the Python backend itself reads from config.pbtxt (not ours to declare).
+BACKEND_PARAMETERS = frozenset({"FORCE_CPU_ONLY_INPUT_TENSORS", "EXECUTION_ENV_PATH"})
+
+
+class SettingsError(ValueError):
+    """A config.pbtxt parameter that is unknown or malformed: the model refuses to load."""
+
+
+def setting(default, help: str, *, min=None, max=None, choices=None):
+    """A dataclass field that is also a config.pbtxt parameter of the same name."""
+    return dataclasses.field(default=default, metadata={"help": help, "min": min, "max": max, "choices": choices})
+
+
+def _parse_value(kind: type, text: str):
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError("must be true or false")
+        return text.lower() == "true"
+    return kind(text)
+
+
+def _check(field: dataclasses.Field, value) -> None:
+    meta = field.metadata
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ValueError(f"must be one of {', '.join(map(str, meta['choices']))}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ValueError(f"must be >= {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ValueError(f"must be <= {meta['max']}")
+
+
+def check_fields(config) -> None:
+    """Range and choice checks of a config built in code rather than parsed (ValueError)."""
+    for name, (field, _) in settings_of(type(config)).items():
+        try:
+            _check(field, getattr(config, name))
+        except ValueError as e:
+            raise ValueError(f"{name}={getattr(config, name)!r} {e}") from None
+
+
+def settings_of(cls) -> dict[str, tuple[dataclasses.Field, type]]:
+    """name -> (field, type) of every setting a config dataclass declares."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if "help" in f.metadata}
+
+
+def parse_parameters(params: dict[str, str], *classes, model: str = "model") -> tuple:
+    """config.pbtxt parameters -> one instance of each class (in order), each field from the
+    parameter of its name, or its default. Unknown names and bad values raise SettingsError."""
+    declared = {}
+    for cls in classes:
+        for name, spec in settings_of(cls).items():
+            declared[name] = (cls, *spec)
+    unknown = sorted(set(params) - set(declared) - BACKEND_PARAMETERS)
+    if unknown:
+        raise SettingsError(f"{model}/config.pbtxt: unknown parameter(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(declared))}")
+    values: dict[type, dict] = {cls: {} for cls in classes}
+    for name, text in params.items():
+        if name in BACKEND_PARAMETERS:
+            continue
+        cls, field, kind = declared[name]
+        try:
+            value = _parse_value(kind, text.strip())
+            _check(field, value)
+        except ValueError as e:
+            detail = str(e) if str(e).startswith("must") else f"is not a valid {kind.__name__}"
+            raise SettingsError(f"{model}/config.pbtxt: parameter {name}={text!r} {detail}") from None
+        values[cls][name] = value
+    return tuple(cls(**values[cls]) for cls in classes)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Every model reads its part of the same Hugging Face directory."""
+    checkpoint_path: str = setting(
+        "", "local Hugging Face directory; relative to the folder holding model_repository/")
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """auto = cuda + bfloat16 when a GPU is visible, else cpu + float32."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype

@@ -1,0 +1,133 @@
+"""serving.decoder.DecoderService driven directly (no Triton): admission, streaming windows, stop
+strings, cancellation mid-stream, refused requests, and its metrics."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from zipmoe.detokenize import TokenBytes, window_text
+from zipmoe.engine.engine import EngineConfig, LLMEngine, RequestError
+from zipmoe.serving.decoder import COUNTERS, GAUGES, DecodeRequest, DecoderConfig, DecoderService, VisualTokens
+from zipmoe.serving.errors import BadInput
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+class Sink:
+    def __init__(self, cancel_after: int | None = None):
+        self.responses, self.errors, self.finals = [], [], 0
+        self.cancel_after = cancel_after
+        self.done = threading.Event()
+
+    def send(self, response, final):
+        if response is not None:
+            self.responses.append(response)
+        if final:
+            self.finals += 1
+            self.done.set()
+
+    def send_error(self, message):
+        self.errors.append(message)
+        self.done.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+    def text(self, token_bytes) -> str:
+        return "".join(window_text(token_bytes, r.output_ids.tolist(), *r.text_range) for r in self.responses)
+
+
+@pytest.fixture()
+def service(tiny_checkpoint):
+    engine = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
+                                                     max_num_batched_tokens=512))
+    published = []
+    svc = DecoderService(engine, TokenBytes.from_tokenizer_json(tiny_checkpoint), DecoderConfig(default_max_tokens=5),
+                         publish=published.append)
+    svc.published = published
+    yield svc
+    svc.shutdown()
+
+
+def run(service, options, ids=PROMPT, visual=None, sink=None):
+    sink = sink or Sink()
+    service.submit(DecodeRequest(list(ids), options, visual), sink)
+    assert sink.done.wait(60)
+    return sink
+
+
+def test_streams_one_window_per_token_and_the_text_adds_up(service):
+    tb = service.token_bytes
+    streamed = run(service, {"stream": True, "max_tokens": 12, "ignore_eos": True})
+    whole = run(service, {"max_tokens": 12, "ignore_eos": True})
+    assert len(streamed.responses) == 12 and streamed.finals == 1 and len(whole.responses) == 1
+    last = streamed.responses[-1]
+    assert (last.output_token_count, last.finish_reason, last.input_token_count) == (12, "length", len(PROMPT))
+    assert [r.finish_reason for r in streamed.responses[:-1]] == [""] * 11
+    assert streamed.text(tb) == whole.text(tb)
+    assert whole.responses[0].output_ids.dtype == np.int32
+
+
+def test_default_max_tokens_comes_from_the_service_config(service):
+    assert run(service, {"ignore_eos": True}).responses[-1].output_token_count == 5
+
+
+def test_stop_string_ends_the_answer_before_it(service):
+    tb = service.token_bytes
+    full = run(service, {"max_tokens": 16, "ignore_eos": True}).text(tb)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("the tiny model's answer has no printable middle")
+    cut = run(service, {"max_tokens": 16, "ignore_eos": True, "stop_words": [stop.encode()], "stream": True})
+    assert cut.responses[-1].finish_reason == "stop"
+    assert cut.text(tb) == full[:full.index(stop)]
+
+
+def test_cancel_mid_stream_frees_blocks_and_counts(service):
+    sink = run(service, {"stream": True, "max_tokens": 200, "ignore_eos": True}, sink=Sink(cancel_after=2))
+    assert 2 <= len(sink.responses) < 200 and sink.finals == 1 and not sink.errors
+    blocks = service.engine.blocks
+    assert blocks.num_free == blocks.num_blocks
+    assert service.counts["requests_cancelled"] == 1
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"max_tokens": 0}, RequestError, "max_tokens"),
+    ({"temperature": -1.0}, RequestError, "temperature"),
+    ({"top_p": 1.5}, RequestError, "top_p"),
+])
+def test_bad_requests_are_refused_at_submit(service, options, error, message):
+    with pytest.raises(error, match=message):
+        service.submit(DecodeRequest(PROMPT, options), Sink())
+    assert not service.engine.has_work
+
+
+def test_visual_tokens_that_disagree_are_refused(service):
+    width = service.engine.text.hidden_size
+    image = service.engine.text.image_token_id
+    visual = VisualTokens(torch.zeros(3, width), torch.zeros(1, 3, width), torch.zeros(3, 2, dtype=torch.int32),
+                          torch.tensor([[2, 2]], dtype=torch.int32), torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(BadInput, match=r"visual_embeds must have shape \[4, "):
+        service.submit(DecodeRequest([1, image, 2], {}, visual), Sink())
+
+
+def test_stats_cover_every_published_metric(service):
+    run(service, {"max_tokens": 3, "ignore_eos": True})
+    stats = service.published[-1]
+    assert set(stats) == set(COUNTERS) | set(GAUGES)
+    assert stats["requests_completed"] == 1 and stats["decode_tokens"] == 2
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 64
+
+
+def test_shutdown_answers_whoever_waits(tiny_checkpoint):
+    engine = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
+                                                     max_num_batched_tokens=512))
+    svc = DecoderService(engine, TokenBytes.from_tokenizer_json(tiny_checkpoint))
+    sink = Sink()
+    svc.submit(DecodeRequest(PROMPT, {"max_tokens": 200, "ignore_eos": True, "stream": True}), sink)
+    svc.shutdown()
+    assert sink.done.is_set()
+    assert sink.errors == ["the server is shutting down"] or sink.finals == 1

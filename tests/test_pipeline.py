@@ -1,0 +1,188 @@
+"""serving.pipeline (mm_qa_bls's orchestration) driven directly, its models faked: relaying, the
+feature cache, shared vision batches, cancellation mid-stream, errors, and validation."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from zipmoe.serving.errors import BadInput, ModelError
+from zipmoe.serving.pipeline import (CACHE_METRICS, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
+                                     renumber_images)
+from zipmoe.visionzip import ImageFeatures, VisionZipConfig
+
+WIDTH = 8
+
+
+def features(image: bytes) -> ImageFeatures:
+    """A 2x4 grid of tokens whose values depend on the image's bytes."""
+    g = torch.Generator().manual_seed(sum(image))
+    return ImageFeatures(torch.randn(8, WIDTH, generator=g), torch.randn(2, 8, WIDTH, generator=g),
+                         torch.rand(8, generator=g), torch.randn(8, 4, generator=g), (2, 4))
+
+
+class Stream:
+    def __init__(self, n: int, fail_at: int | None):
+        self.n, self.fail_at, self.read, self.drained = n, fail_at, 0, False
+
+    def _next(self):
+        while self.read < self.n:
+            self.read += 1
+            yield self.read - 1
+
+    def __iter__(self):
+        for i in self._next():
+            if i == self.fail_at:
+                raise ModelError("moe_decoder: boom")
+            yield {"output_ids": [i], "text_range": [0, 1], "input_token_count": 3, "output_token_count": i + 1,
+                   "finish_reason": "length" if i == self.n - 1 else "", "visual_tokens_kept": []}
+
+    def drain(self):
+        for _ in self._next():
+            pass
+        self.drained = True
+
+
+class Calls:
+    def __init__(self, responses: int = 4, fail_at: int | None = None, bad_image: bytes | None = None):
+        self.responses, self.fail_at, self.bad_image = responses, fail_at, bad_image
+        self.encoded, self.decoded, self.streams = [], [], []
+
+    def tokenize(self, question, images):
+        return np.arange(3 + len(images), dtype=np.int32)
+
+    def encode_images(self, images):
+        self.encoded.append(list(images))
+        if self.bad_image in images:
+            raise ModelError(f"image_decode: image {images.index(self.bad_image)}: cannot decode")
+        return [features(im) for im in images]
+
+    def decode(self, inputs):
+        self.decoded.append(inputs)
+        self.streams.append(Stream(self.responses, self.fail_at))
+        return self.streams[-1]
+
+    def detokenize(self, outputs):
+        return f"t{outputs['output_ids'][0]}"
+
+
+class Sink:
+    def __init__(self, cancel_after: int | None = None):
+        self.sent, self.error, self.cancel_after = [], None, cancel_after
+        self.closed = threading.Event()
+        self.drained_before_close = None
+
+    def send(self, outputs):
+        self.sent.append(outputs)
+
+    def close(self, error):
+        self.error = error
+        self.closed.set()
+
+    def is_cancelled(self):
+        return self.cancel_after is not None and len(self.sent) >= self.cancel_after
+
+
+def pipeline(calls, published=None, **config) -> QAPipeline:
+    return QAPipeline(calls, PipelineConfig(**config), VisionZipConfig(keep_ratio=0.5, context_fraction=0.0,
+                                                                      min_tokens_per_image=1),
+                      publish=None if published is None else published.append)
+
+
+def ask(p: QAPipeline, sink=None, images=(), keep_ratio=None, **options) -> Sink:
+    sink = sink or Sink()
+    p.submit(QARequest("what is it?", list(images), keep_ratio, options), sink)
+    assert sink.closed.wait(10)
+    return sink
+
+
+def test_relays_every_decoder_response_with_its_text_then_closes():
+    calls = Calls(responses=3)
+    sink = ask(pipeline(calls), images=[b"a", b"b"], max_tokens=np.array([7], np.int32))
+    assert [s["text_output"] for s in sink.sent] == ["t0", "t1", "t2"] and sink.error is None
+    assert sink.sent[-1]["finish_reason"] == "length"
+    inputs = calls.decoded[0]
+    assert inputs["max_tokens"].tolist() == [7] and inputs["input_ids"].tolist() == [0, 1, 2, 3, 4]
+    assert inputs["visual_tokens_kept"].sum() == 8  # keep 0.5 of 2 x 8 tokens, one budget for both
+    assert inputs["visual_embeds"].shape == (8, WIDTH) and inputs["deepstack_embeds"].shape == (2, 8, WIDTH)
+    full = ask(pipeline(Calls()), images=[b"a", b"b"], keep_ratio=1.0)
+    assert full.sent[-1]["visual_tokens_kept"] == []  # relayed from the decoder as it came
+
+
+def test_repeated_images_come_from_the_cache_once_each():
+    calls, published = Calls(), []
+    p = pipeline(calls, published)
+    ask(p, images=[b"a", b"b", b"a"])
+    ask(p, images=[b"b", b"c"])
+    assert calls.encoded == [[b"a", b"b"], [b"c"]]
+    assert published[-1]["hits"] == 1 and published[-1]["misses"] == 3 and set(published[-1]) == set(CACHE_METRICS)
+
+
+def test_cancel_mid_stream_stops_relaying_reads_the_decoder_to_its_end_then_closes():
+    calls = Calls(responses=50)
+    sink = ask(pipeline(calls), sink=Sink(cancel_after=1))
+    assert len(sink.sent) == 1 and sink.error is None
+    assert calls.streams[0].drained and calls.streams[0].read == 50
+
+
+def test_decoder_error_reaches_the_client_after_the_stream_is_drained():
+    calls = Calls(responses=6, fail_at=2)
+    sink = ask(pipeline(calls))
+    assert len(sink.sent) == 2 and sink.error == "moe_decoder: boom"
+    assert calls.streams[0].drained and calls.streams[0].read == 6
+
+
+def test_an_image_error_names_the_image_by_its_place_in_the_request():
+    calls = Calls(bad_image=b"bad")
+    p = pipeline(calls)
+    ask(p, images=[b"a"])
+    sink = ask(p, images=[b"a", b"bad"])  # a is cached: the miss batch is [bad], index 0 there
+    assert sink.error == "image_decode: image 1: cannot decode" and not calls.decoded[1:]
+    assert renumber_images("image 0 and image 1", [3, 5]) == "image 3 and image 5"
+
+
+@pytest.mark.parametrize("request_, message", [
+    (QARequest(" ", [], None, {}), "text_input is empty"),
+    (QARequest("q", [b"x"] * 3, None, {}), "3 images; this deployment accepts at most 2"),
+    (QARequest("q", [b"x", b""], None, {}), "image 1: empty"),
+    (QARequest("q", [], 0.0, {}), r"visual_keep_ratio must be in \(0, 1\]"),
+])
+def test_bad_requests_are_refused_before_any_work(request_, message):
+    calls = Calls()
+    with pytest.raises(BadInput, match=message):
+        pipeline(calls, max_images=2).submit(request_, Sink())
+    assert not calls.encoded and not calls.decoded
+
+
+def test_waiting_requests_share_one_vision_call_and_errors_stay_with_their_owner():
+    calls, first_started, release = [], threading.Event(), threading.Event()
+
+    def encode(images):
+        calls.append(list(images))
+        if len(calls) == 1:  # hold the first call until the others are queued behind it
+            first_started.set()
+            release.wait(5)
+        if b"bad" in images:
+            raise ModelError("image_decode: image 0: cannot decode")
+        return [f"features of {im.decode()}" for im in images]
+
+    batcher = VisionBatcher(encode, max_images=8)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(batcher.features, [b"a"])
+        first_started.wait(5)
+        rest = [pool.submit(batcher.features, imgs) for imgs in ([b"b", b"c"], [b"bad"], [b"d"])]
+        deadline = time.monotonic() + 5
+        while batcher._queue.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        release.set()
+        assert first.result(5) == ["features of a"]
+        assert rest[0].result(5) == ["features of b", "features of c"]
+        with pytest.raises(ModelError, match="cannot decode"):
+            rest[1].result(5)
+        assert rest[2].result(5) == ["features of d"]
+    assert calls[1] == [b"b", b"c", b"bad", b"d"]  # the three waiting requests went as one call
+    assert [b"bad"] in calls[2:] and [b"d"] in calls[2:]  # then, after it failed, one by one
