@@ -29,7 +29,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from zipmoe.build.demo_images import plain_png, receipt_png
-from zipmoe.checkpoint import TextConfig
+from zipmoe.checkpoint import LOAD_FORMATS, TextConfig
 from zipmoe.engine.engine import DTYPES, EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs, splice_images
 from zipmoe.engine.routing import route_topk
@@ -115,12 +115,12 @@ def _pixels(png: bytes, checkpoint: Path) -> torch.Tensor:
     return pixels_of(img.resize((w, h), Image.BICUBIC), mean, std)
 
 
-def calibration_requests(checkpoint: Path, texts: list[str], device: str,
-                         dtype: str) -> list[tuple[list[int], VisualInputs | None]]:
+def calibration_requests(checkpoint: Path, texts: list[str], device: str, dtype: str,
+                         load_format: str = "auto") -> list[tuple[list[int], VisualInputs | None]]:
     """(prompt ids, visual inputs) of the image-text prompts, then of `texts`, all chat-templated."""
     chat = ChatPrompt(checkpoint)
     image_token = TextConfig.from_dir(checkpoint).image_token_id
-    encoder = VisionEncoder(checkpoint, torch.device(device), DTYPES[dtype])
+    encoder = VisionEncoder(checkpoint, torch.device(device), DTYPES[dtype], load_format=load_format)
     names = list(IMAGES)
     features = dict(zip(names, encoder.features([_pixels(IMAGES[n](), checkpoint) for n in names])))
     requests = []
@@ -234,8 +234,11 @@ def _within_budget(requests: list, max_tokens: int) -> list:
 @torch.inference_mode()
 def calibrate(checkpoint: str | Path, out: str | Path | None = None, method: str = "frobenius",
               num_protect: int | None = None, prompts_file: str | Path | None = None, device: str = "cpu",
-              dtype: str = "float32", max_tokens: int = DEFAULT_MAX_TOKENS) -> Path:
-    """Calibrates CHECKPOINT and writes its SERE tables (default CHECKPOINT/sere.safetensors)."""
+              dtype: str = "float32", max_tokens: int = DEFAULT_MAX_TOKENS, load_format: str = "auto") -> Path:
+    """Calibrates CHECKPOINT and writes its SERE tables (default CHECKPOINT/sere.safetensors).
+
+    load_format dummy: the dummy weights the server makes of the same config (same seed, same
+    device type: a CUDA generator draws other numbers than the CPU's)."""
     checkpoint = Path(checkpoint)
     out = checkpoint / SERE_FILE if out is None else Path(out)
     if method not in METHODS:
@@ -252,7 +255,7 @@ def calibrate(checkpoint: str | Path, out: str | Path | None = None, method: str
         raise ValueError(f"num_protect must be in [0, {E}], got {n}")
 
     texts = list(TEXT_PROMPTS) + (load_prompts_file(prompts_file) if prompts_file else [])
-    requests = _within_budget(calibration_requests(checkpoint, texts, device, dtype), max_tokens)
+    requests = _within_budget(calibration_requests(checkpoint, texts, device, dtype, load_format), max_tokens)
     if not requests:
         raise ValueError(f"max_tokens {max_tokens} holds no calibration prompt")
     longest = max(len(ids) for ids, _ in requests)
@@ -261,7 +264,7 @@ def calibrate(checkpoint: str | Path, out: str | Path | None = None, method: str
                          f"{text.max_position_embeddings}")
     batch = max(longest + 1, BATCH_TOKENS)
     engine = LLMEngine(checkpoint, EngineConfig(
-        device=device, dtype=dtype, block_size=16, num_kv_blocks=-(-batch // 16),
+        device=device, dtype=dtype, load_format=load_format, block_size=16, num_kv_blocks=-(-batch // 16),
         max_model_len=longest + 1, max_num_batched_tokens=batch))
     inputs = capture_moe_inputs(engine, requests)
     num_tokens = sum(len(ids) for ids, _ in requests)
@@ -297,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"calibration tokens at most (default: {DEFAULT_MAX_TOKENS})")
     p.add_argument("--out", type=Path, default=None, help=f"default: CHECKPOINT/{SERE_FILE}")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: calibrate the random weights `--load-format dummy` serves (config-only checkpoints)")
     args = p.parse_args(argv)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     print(calibrate(args.checkpoint, args.out, args.method, args.protect, args.prompts, args.device, dtype,
-                    args.max_tokens))
+                    args.max_tokens, args.load_format))
     return 0
 
 

@@ -1,14 +1,19 @@
-"""Reading a Hugging Face Qwen3-VL-MoE directory: the text config and tensors by name."""
+"""Reading a Hugging Face Qwen3-VL-MoE directory: the text config, and tensors by name (or dummy ones)."""
 from __future__ import annotations
 
 import json
+import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 TEXT_PREFIX = "model.language_model."
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class TextConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     image_token_id: int | None
+    deepstack_layers: int = 0  # decoder layers that get DeepStack features added to image tokens
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TextConfig":
@@ -68,6 +74,7 @@ class TextConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
             eos_token_ids=eos,
             image_token_id=raw.get("image_token_id"),
+            deepstack_layers=len((raw.get("vision_config") or {}).get("deepstack_visual_indexes") or ()),
         )
 
 
@@ -84,29 +91,101 @@ def _eos_ids(path: Path, text: dict, raw: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (eos,)
 
 
-class TensorStore:
-    """Lazy access to every tensor of the checkpoint's safetensors shards, by name."""
+INDEX = "model.safetensors.index.json"  # Hugging Face's map of a sharded checkpoint: tensor name -> shard
 
-    def __init__(self, path: str | Path):
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return str(device)
+
+
+class TensorStore:
+    """The tensors of a checkpoint's safetensors files by name, read straight to `device`.
+
+    A sharded checkpoint (model-0000N-of-0000M.safetensors) is read through its index file; a
+    single file or a folder of shards without one, by listing. Each tensor goes from its file's
+    memory map to the device (safetensors' own loader): no copy of the whole model in host memory.
+    `reading()` shows a progress bar over the bytes a caller is about to read and logs the rate.
+    """
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu"):
         path = Path(path)
-        # sere.safetensors (SERE calibration) sits beside the weights but is not part of them.
-        files = sorted(f for f in path.glob("*.safetensors") if f.name != "sere.safetensors")
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        self._where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(f, "pt") as h:
-                for k in h.keys():
-                    self._where[k] = f
+        self.device = torch.device(device)
+        index = path / INDEX
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._where = {name: path / shard for name, shard in weight_map.items()}
+            absent = sorted({f.name for f in self._where.values() if not f.exists()})
+            if absent:
+                raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(absent)}")
+        else:
+            # sere.safetensors (SERE calibration) sits beside the weights but is not part of them.
+            files = sorted(f for f in path.glob("*.safetensors") if f.name != "sere.safetensors")
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {path}")
+            self._where = {}
+            for f in files:
+                with safe_open(f, "pt") as h:
+                    self._where.update(dict.fromkeys(h.keys(), f))
         self._handles: dict[Path, object] = {}
+        self._bar = None
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self, prefixes: tuple[str, ...]) -> list[str]:
+        return [n for n in self._where if n.startswith(prefixes)]
+
+    def _handle(self, f: Path):
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, "pt", device=_safetensors_device(self.device))
+        return self._handles[f]
+
+    def nbytes(self, prefixes: tuple[str, ...]) -> int:
+        """Bytes of the tensors whose names start with one of `prefixes` (from the files' headers)."""
+        total = 0
+        for name in self.names(prefixes):
+            meta = self._handle(self._where[name]).get_slice(name)
+            total += math.prod(meta.get_shape()) * _DTYPE_BYTES[meta.get_dtype()]
+        return total
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        f = self._where[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(f, "pt")
-        return self._handles[f].get_tensor(name)
+        tensor = self._handle(self._where[name]).get_tensor(name)
+        if self._bar is not None:
+            self._bar.update(tensor.numel() * tensor.element_size())
+        return tensor
+
+    @contextmanager
+    def reading(self, what: str, prefixes: tuple[str, ...]):
+        """Progress over the bytes of `prefixes` while the caller reads them; logs size, time and rate."""
+        total = self.nbytes(prefixes)
+        start = time.perf_counter()
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {what}", mininterval=1.0) as self._bar:
+            try:
+                yield self
+            finally:
+                self._bar = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        print(f"{what}: {total / 1e9:.2f} GB from {len({self._where[n] for n in self.names(prefixes)})} file(s) "
+              f"to {self.device} in {seconds:.1f} s ({total / 1e9 / max(seconds, 1e-9):.2f} GB/s)", flush=True)
+
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def open_weights(checkpoint: str | Path, load_format: str, device: torch.device):
+    """The weights a model reads: the checkpoint's safetensors (auto), or deterministic random
+    tensors of its config.json's shapes made on the device (dummy, for benchmarks)."""
+    if load_format == "dummy":
+        from .dummy_weights import DummyWeights
+
+        return DummyWeights(checkpoint, device)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    return TensorStore(checkpoint, device)

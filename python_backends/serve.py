@@ -34,6 +34,8 @@ DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 TRAINED_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "notes"
 # The tiny random checkpoint, built on demand (build/tiny_checkpoint.py): tests and benchmarks.
 TINY_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "tiny"
+# Qwen3-VL-30B-A3B-Instruct's configs and a tokenizer, no weights (build/config_only.py): --load-format dummy.
+REAL_SHAPE_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "qwen3-vl-30b-a3b"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
 
 
@@ -163,6 +165,16 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
             raise ValueError(f"--set wants MODEL.PARAMETER=VALUE, got {item!r}")
         out.setdefault(model, {})[key] = value
     return out
+
+
+LOADING_MODELS = ("vision_encoder", "moe_decoder")  # the models with a load_format parameter
+
+
+def load_format_overrides(load_format: str | None, overrides: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """--load-format sets both models' load_format (an explicit --set of one of them wins)."""
+    if load_format is None:
+        return overrides
+    return {**overrides, **{m: {"load_format": load_format, **overrides.get(m, {})} for m in LOADING_MODELS}}
 
 
 def free_port() -> int:
@@ -346,6 +358,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--checkpoint", help="checkpoint directory for every model's checkpoint_path parameter")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                        help="dummy: random weights of the checkpoint's config.json shapes, made on the device "
+                             "(e.g. --checkpoint checkpoints/qwen3-vl-30b-a3b, a config-only directory)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     parser.add_argument("--log-file", type=Path, help="server log (default: this terminal)")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
@@ -356,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     server = TritonServer(
         args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, checkpoint=args.checkpoint, log_path=args.log_file, host=args.host,
-        overrides=parse_overrides(args.set),
+        overrides=load_format_overrides(args.load_format, parse_overrides(args.set)),
     )
     signalled = []
 

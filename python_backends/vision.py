@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
     apply_rotary_pos_emb_vision,
 )
 
-from .checkpoint import TensorStore
+from .checkpoint import open_weights
 from .kernels.attention_importance import patch_importance, patch_importance_reference
 from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, weigh_images
 
@@ -45,17 +45,18 @@ def pixels_of(image, mean: float | torch.Tensor = 0.5, std: float | torch.Tensor
 
 class VisionEncoder:
     def __init__(self, checkpoint: str | Path, device: torch.device, dtype: torch.dtype, importance_layer: int = -1,
-                 budget_weighting: str = "distinct"):
+                 budget_weighting: str = "distinct", load_format: str = "auto"):
         self.budget_weighting = check_budget_weighting(budget_weighting)  # fails at load, not per request
         checkpoint = Path(checkpoint)
         config = Qwen3VLMoeConfig.from_pretrained(checkpoint)
         vcfg = config.vision_config
         vcfg._attn_implementation = "sdpa"
         self.patch, self.merge, self.temporal = vcfg.patch_size, vcfg.spatial_merge_size, vcfg.temporal_patch_size
-        store = TensorStore(checkpoint)
+        store = open_weights(checkpoint, load_format, device)
         with torch.device("meta"):
             model = Qwen3VLMoeVisionModel(vcfg)
-        state = {name: store.get(VISUAL_PREFIX + name) for name, _ in model.named_parameters()}
+        with store.reading("vision tower", (VISUAL_PREFIX,)):
+            state = {name: store.get(VISUAL_PREFIX + name) for name, _ in model.named_parameters()}
         model.load_state_dict(state, assign=True)
         # Non-persistent buffers (rotary frequencies) were created on meta: rebuild them for real.
         model.rotary_pos_emb = type(model.rotary_pos_emb)(vcfg)

@@ -233,17 +233,19 @@ def compress(images: list[ImageFeatures], keep_ratio: float, context_fraction: f
     return [ImageTokens(e, d, p, f.grid) for e, d, p, f in zip(embeds, deepstack, positions, images)]
 
 
-def decoder_inputs(tokens: list[ImageTokens], width: int = 0, layers: int = 0) -> dict[str, np.ndarray]:
-    """moe_decoder's visual inputs (host arrays) for one request's kept tokens. Without images they are
-    empty tensors of the right rank, shaped by width (hidden size) and layers (deepstack)."""
+def decoder_inputs(tokens: list[ImageTokens], width: int = 0, layers: int = 0) -> dict[str, torch.Tensor | np.ndarray]:
+    """moe_decoder's visual inputs for one request's kept tokens (interface.VISUAL_TOKENS): the
+    embeddings and DeepStack features stay where the vision tower made them (the GPU, in bf16, handed
+    on through DLPack without a host copy); the small index arrays are host int32. Without images
+    they are empty tensors of the right rank, shaped by width (hidden size) and layers (deepstack)."""
     if not tokens:
-        return {"visual_embeds": np.zeros((0, width), np.float32),
-                "deepstack_embeds": np.zeros((layers, 0, width), np.float32),
+        return {"visual_embeds": torch.zeros(0, width, dtype=torch.bfloat16),
+                "deepstack_embeds": torch.zeros(layers, 0, width, dtype=torch.bfloat16),
                 "visual_positions": np.zeros((0, 2), np.int32), "image_grids": np.zeros((0, 2), np.int32),
                 "visual_tokens_kept": np.zeros(0, np.int32)}
     return {
-        "visual_embeds": torch.cat([t.embeds for t in tokens]).float().cpu().numpy(),
-        "deepstack_embeds": torch.cat([t.deepstack for t in tokens], dim=1).float().cpu().numpy(),
+        "visual_embeds": torch.cat([t.embeds for t in tokens]).to(torch.bfloat16).contiguous(),
+        "deepstack_embeds": torch.cat([t.deepstack for t in tokens], dim=1).to(torch.bfloat16).contiguous(),
         "visual_positions": torch.cat([t.positions for t in tokens]).int().cpu().numpy(),
         "image_grids": np.asarray([t.grid for t in tokens], np.int32),
         "visual_tokens_kept": np.asarray([t.embeds.shape[0] for t in tokens], np.int32),

@@ -119,7 +119,7 @@ def test_stats_cover_every_published_metric(service):
     stats = service.published[-1]
     assert set(stats) == set(COUNTERS) | set(GAUGES)
     assert stats["requests_completed"] == 1 and stats["decode_tokens"] == 2
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 64
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 64 and stats["kv_capacity_tokens"] == 64 * 16
 
 
 def test_shutdown_answers_whoever_waits(tiny_checkpoint):

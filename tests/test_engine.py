@@ -27,15 +27,15 @@ def greedy(n=12):
 def test_block_manager_accounting():
     bm = BlockManager(num_blocks=4, block_size=4)
     seq = Sequence(0, [1] * 5, greedy())
-    assert bm.can_allocate(seq)
-    bm.allocate(seq)
+    assert bm.can_hold(seq, len(seq))
+    bm.hold(seq, len(seq))
     assert len(seq.block_table) == 2 and bm.num_free == 2
     assert bm.slots(seq, 3, 6) == [seq.block_table[0] * 4 + 3, seq.block_table[1] * 4, seq.block_table[1] * 4 + 1]
     seq.output_ids += [7, 7, 7, 7]  # 9 tokens: position 8 needs a third block
-    assert bm.can_append(seq)
-    bm.append_slot(seq)
+    assert bm.can_hold(seq, len(seq)) and not bm.can_hold(seq, 17)
+    bm.hold(seq, len(seq))
     assert len(seq.block_table) == 3 and bm.num_free == 1
-    bm.append_slot(seq)  # still room: no new block
+    bm.hold(seq, len(seq))  # still room: no new block
     assert bm.num_free == 1
     bm.free(seq)
     assert bm.num_free == 4 and seq.block_table == []
@@ -71,9 +71,9 @@ def test_request_joins_running_batch_next_step(tiny_checkpoint):
         eng.step()
     b = eng.add_request(PROMPT[:20], greedy(5))
     ran = [s for s, _ in eng.step()]
-    assert ran == [b]  # the newcomer's prefill is the very next step
+    assert ran == [a, b]  # the newcomer's prefill rides along with the running sequence's decode token
     ran = [s for s, _ in eng.step()]
-    assert set(ran) == {a, b}  # then both decode in one batch
+    assert ran == [a, b]  # then both decode in one batch
     drain(eng)
     assert len(a.output_ids) == 30 and len(b.output_ids) == 5
 
@@ -92,11 +92,10 @@ def test_admission_waits_for_blocks_and_preemption_recomputes(tiny_checkpoint):
     assert tight.blocks.num_free == 8
 
 
-def test_token_budget_splits_prefill(tiny_checkpoint):
+def test_token_budget_chunks_prefill(tiny_checkpoint):
     eng = engine(tiny_checkpoint, max_model_len=64, max_num_batched_tokens=64)
     seqs = [eng.add_request(PROMPT, greedy(3)) for _ in range(3)]  # 30 tokens each
-    batch, is_prefill = eng.scheduler.schedule()
-    assert is_prefill and batch == seqs[:2]
+    assert eng.scheduler.schedule() == [(seqs[0], 30), (seqs[1], 30), (seqs[2], 4)]
 
 
 def test_seeded_sampling_is_reproducible(tiny_checkpoint):
@@ -119,7 +118,7 @@ def test_top_k_1_is_greedy(tiny_checkpoint):
 
 @pytest.mark.parametrize("prompt, params, message", [
     ([], greedy(), "empty"),
-    (list(range(600)), greedy(), "context holds 512"),
+    (list(range(600)), greedy(), "context holds max_model_len 512"),
     ([10**6], greedy(), "outside the vocabulary"),
     (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
     (PROMPT, SamplingParams(max_tokens=10**6), "max_tokens"),

@@ -64,3 +64,14 @@ def test_keep_ratio_out_of_range_is_refused(zipmoe_server):
 def test_too_many_images_is_refused(zipmoe_server):
     with pytest.raises(ServerError, match="at most 64"):
         answer(zipmoe_server, [note(0)] * 65)
+
+
+@pytest.mark.parametrize("model", ["mm_qa", "mm_qa_bls"])
+def test_a_prompt_longer_than_the_context_names_both_numbers(zipmoe_server, model):
+    big = io.BytesIO()
+    Image.effect_noise((512, 512), 60).convert("RGB").save(big, format="PNG")
+    images = [big.getvalue()] * 20  # 20 x 256 kept tokens at keep 1.0: past max_model_len 4096
+    with pytest.raises(ServerError, match=r"has \d+ tokens, 5120 of them the images' kept visual tokens; "
+                                          r"the context holds max_model_len 4096"):
+        answer(zipmoe_server, images, keep=1.0, model=model)
+    assert answer(zipmoe_server, [note(3)], model=model)[1]["output_token_count"] == 12

@@ -117,7 +117,7 @@ def test_paged_decode_attention_reference_matches_engine_decode_path():
     seqs = []
     for i, n in enumerate(lens):
         seq = Sequence(seq_id=i, prompt_ids=list(range(n)), params=SamplingParams())
-        blocks.allocate(seq)
+        blocks.hold(seq, len(seq))
         seqs.append(seq)
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(3))
     scale = head_dim ** -0.5

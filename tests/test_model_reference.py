@@ -42,12 +42,12 @@ def test_prefill_logits_match(tiny_checkpoint, reference, prompts):
     engine = LLMEngine(tiny_checkpoint, EngineConfig(num_kv_blocks=64, max_model_len=256))
     runner = engine.runner
     seq = engine.add_request(prompts[0], SamplingParams(max_tokens=1))
-    batch, is_prefill = engine.scheduler.schedule()
-    ids, step, _ = runner.prepare_prefill(batch)
+    batch = engine.scheduler.schedule()
+    ids, step, _ = runner.prepare_mixed(batch)
     ours = engine.model.forward(ids, step, runner.kv, torch.arange(len(seq))).logits
     with torch.no_grad():
         ref = reference(input_ids=torch.tensor([prompts[0]])).logits[0]
-    assert is_prefill
+    assert batch == [(seq, len(seq))]
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -51,8 +51,7 @@ def test_keep_one_matches_transformers_full_model(tiny_checkpoint, reference, im
 
     engine = LLMEngine(tiny_checkpoint, EngineConfig(num_kv_blocks=64, max_model_len=512))
     seq = engine.add_request(ids, SamplingParams(max_tokens=STEPS, ignore_eos=True), visual=visual)
-    batch, _ = engine.scheduler.schedule()
-    inputs, step, _ = engine.runner.prepare_prefill(batch)
+    inputs, step, _ = engine.runner.prepare_mixed(engine.scheduler.schedule())
     ours = engine.model.forward(inputs, step, engine.runner.kv, torch.arange(len(ids))).logits
 
     pixel_values = torch.cat([patchify(im, 16, 2, 2) for im in images])

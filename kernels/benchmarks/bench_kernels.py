@@ -36,13 +36,28 @@ from zipmoe.kernels import fused_moe
 from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_reference, fused_experts_with_config
 from zipmoe.kernels.sere_reroute import sere_reroute, sere_reroute_reference
 
-from .random_model import QWEN3_30B_A3B, RandomStore, decoder_bytes
+from zipmoe.checkpoint import TextConfig
+from zipmoe.serve import REAL_SHAPE_CHECKPOINT
+
 from .timing import copy_gbps, cuda_time_us, graph_time_us
 
-CFG = QWEN3_30B_A3B
+# Qwen3-VL-30B-A3B's text decoder, with dummy weights (zipmoe.dummy_weights: routing skewed as trained).
+CFG = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)
 MOE_BATCHES = (1, 4, 16, 64, 128)
 DECODE_BATCHES = (1, 16, 64)
 EXPERT_BYTES = 3 * CFG.moe_intermediate_size * CFG.hidden_size * 2
+
+
+def decoder_bytes(cfg: TextConfig, union_per_layer: float, batch: int, context: int) -> int:
+    """Bytes one decode step must read: attention and router weights, the union's experts, the
+    LM head, and every sequence's K/V (bf16)."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    attn = (2 * cfg.num_heads * D * H + 2 * cfg.num_kv_heads * D * H) * 2
+    router = cfg.num_experts * H * 2
+    expert = 3 * cfg.moe_intermediate_size * H * 2
+    kv = batch * context * 2 * cfg.num_kv_heads * D * 2
+    per_layer = attn + router + union_per_layer * expert + kv
+    return int(cfg.num_layers * per_layer + cfg.vocab_size * H * 2)
 
 
 def row(bench: str, impl: str, batch: int, time_us: float, bytes_read: int, policy: str = "", union: float = 0.0,
@@ -175,11 +190,11 @@ def random_sere(device: torch.device, seed: int = 0) -> SerePolicy:
 
 
 def build_engine(max_num_seqs: int = 64) -> LLMEngine:
-    config = EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=max_num_seqs,
+    config = EngineConfig(device="cuda", dtype="bfloat16", load_format="dummy", num_kv_blocks=4096, max_num_seqs=max_num_seqs,
                           max_model_len=16384, max_num_batched_tokens=16384, max_tokens_cap=4096)
     t0 = time.perf_counter()
-    engine = LLMEngine(None, config, text=CFG, store=RandomStore(CFG, torch.device("cuda")), policy=RoutingPolicy())
-    print(f"random 30B-shaped engine + CUDA graphs: {time.perf_counter() - t0:.1f} s, "
+    engine = LLMEngine(REAL_SHAPE_CHECKPOINT, config, policy=RoutingPolicy())
+    print(f"dummy 30B-shaped engine + CUDA graphs: {time.perf_counter() - t0:.1f} s, "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
     return engine
 

@@ -56,7 +56,7 @@ class DecodeGraphs:
 
     def _step(self, b: int) -> StepInputs:
         return StepInputs(positions=self.positions[:, :b], slots=self.slots[:b], is_prefill=False,
-                          seq_lens=[1] * b, block_tables=self.block_tables[:b],
+                          block_tables=self.block_tables[:b],
                           context_lens=self.context_lens[:b], opt_out=self.opt_out[:b])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

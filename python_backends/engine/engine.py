@@ -1,4 +1,4 @@
-"""The engine: validated requests in, one token per running sequence out, every step."""
+"""The engine: validated requests in; each step, the next token of every sequence whose prompt is in the cache."""
 from __future__ import annotations
 
 import itertools
@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import TensorStore, TextConfig
+from ..checkpoint import LOAD_FORMATS, TEXT_PREFIX, TextConfig, open_weights
 from ..settings import DTYPE_CHOICES, DTYPE_NAMES, check_fields, resolve_device_dtype, setting
+from . import memory
 from .kv_cache import BlockManager, KVCache
+from .memory import CPU_KV_BLOCKS, OutOfMemory
 from .model import Qwen3VLMoeTextDecoder
 from .routing import POLICIES, make_policy
 from .multimodal import VisualInputs
@@ -28,10 +30,17 @@ class EngineConfig:
     device: str = setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
     dtype: str = setting("auto", "weights and activations; auto = bfloat16 on cuda, float32 on cpu",
                          choices=DTYPE_CHOICES)
+    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: deterministic random weights of "
+                                       "config.json's shapes, made on the device (benchmarks)", choices=LOAD_FORMATS)
     block_size: int = setting(16, "tokens per paged KV-cache block", min=1)
-    num_kv_blocks: int = setting(1024, "KV-cache blocks in all", min=1)
+    num_kv_blocks: int = setting(0, "KV-cache blocks; 0: as many as gpu_memory_utilization leaves after the weights "
+                                    f"and a worst-case step ({CPU_KV_BLOCKS} on a CPU)", min=0)
+    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory this model may take (weights, "
+                                                 "activations, KV cache); the rest is the other models'",
+                                            min=0.05, max=1.0)
     max_num_seqs: int = setting(64, "sequences in one decode step", min=1)
-    max_num_batched_tokens: int = setting(8192, "prompt tokens in one prefill step", min=1)
+    max_num_batched_tokens: int = setting(8192, "tokens in one step: every running sequence's next token, then "
+                                                "prompt chunks (chunked prefill)", min=1)
     max_model_len: int = setting(4096, "context length: prompt + generated tokens", min=2)
     max_tokens_cap: int = setting(1024, "requests asking for more new tokens are refused", min=1)
     routing_policy: str = setting("topk", "decode-step routing (prefill keeps the router's top-K)",
@@ -48,10 +57,10 @@ class EngineConfig:
         check_fields(self)
         if self.max_model_len > text.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} > the model's {text.max_position_embeddings}")
-        if self.num_kv_blocks * self.block_size < self.max_model_len:
+        if self.num_kv_blocks and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError("num_kv_blocks * block_size must hold at least one max_model_len sequence")
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens must be >= max_model_len (a full prompt is one prefill)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence's token, each step)")
 
 
 class RequestError(ValueError):
@@ -67,15 +76,22 @@ class LLMEngine:
         config.validate(self.text)
         device, dtype = resolve_device_dtype(config.device, config.dtype)
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
-        store = store or TensorStore(checkpoint)
+        store = store or open_weights(checkpoint, config.load_format, self.device)
         policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, self.device,
                                        sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
                                        sere_protect=config.sere_protect, oea_k0=config.oea_k0,
                                        truncate_k=config.truncate_k,
                                        normalize=self.text.norm_topk_prob)
-        self.model = Qwen3VLMoeTextDecoder(self.text, store, self.dtype, self.device, policy, config.routing_min_batch)
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
-        kv = KVCache(self.text.num_layers, config.num_kv_blocks, config.block_size, self.text.num_kv_heads,
+        try:
+            with store.reading("decoder weights", (TEXT_PREFIX, "lm_head.")):
+                self.model = Qwen3VLMoeTextDecoder(self.text, store, self.dtype, self.device, policy,
+                                                   config.routing_min_batch)
+        except torch.OutOfMemoryError:
+            raise OutOfMemory(f"the decoder's weights do not fit in the free GPU memory of {self.device}: "
+                              "free it, or lower the other models' share (their instances, max_images)") from None
+        num_blocks = config.num_kv_blocks or self._plan_kv_blocks()
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        kv = KVCache(self.text.num_layers, num_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
                                   config.cuda_graphs)
@@ -83,11 +99,33 @@ class LLMEngine:
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()
 
+    def _plan_kv_blocks(self) -> int:
+        """num_kv_blocks 0: what memory.plan leaves for the cache (CPU: a fixed size)."""
+        cfg = self.config
+        need = -(-cfg.max_model_len // cfg.block_size)
+        if self.device.type != "cuda":
+            return max(CPU_KV_BLOCKS, need)
+        mem = memory.plan(self.model, self.text, cfg.gpu_memory_utilization, min(cfg.max_num_batched_tokens,
+                          cfg.max_model_len), cfg.max_model_len, cfg.block_size, self.text.deepstack_layers)
+        blocks = mem.num_blocks(memory.block_bytes(self.text, cfg.block_size, self.dtype))
+        print(f"KV cache: {mem.describe()} = {blocks} blocks, {blocks * cfg.block_size} tokens", flush=True)
+        if blocks < need:
+            raise OutOfMemory(f"{mem.describe()}: {blocks * cfg.block_size} tokens, less than one max_model_len "
+                              f"{cfg.max_model_len} sequence: raise gpu_memory_utilization, or lower max_model_len "
+                              "or max_num_batched_tokens")
+        return blocks
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.config.block_size
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, opt_out: bool = False,
                     visual: VisualInputs | None = None) -> Sequence:
         self.check_request(prompt_ids, params, visual)
         seq = Sequence(next(self._ids), list(prompt_ids), params, opt_out=opt_out, visual=visual,
                        arrival=time.monotonic())
+        if visual is not None:
+            seq.image_rows = [j for j, t in enumerate(seq.prompt_ids) if t == self.text.image_token_id]
         if not params.greedy:
             seq.generator = make_generator(params.seed, self.model.device)
         self.scheduler.add(seq)
@@ -98,8 +136,10 @@ class LLMEngine:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) >= cfg.max_model_len:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {cfg.max_model_len} "
-                               "(prompt + at least one generated token)")
+            kept = "" if visual is None else f", {visual.embeds.shape[0]} of them the images' kept visual tokens"
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens{kept}; the context holds max_model_len "
+                               f"{cfg.max_model_len} (prompt + at least one generated token): ask with fewer images or "
+                               "a lower visual_keep_ratio")
         bad = [t for t in prompt_ids if not 0 <= t < self.text.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.text.vocab_size})")
@@ -137,17 +177,19 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> list[tuple[Sequence, int]]:
-        """One prefill or decode step; returns (sequence, new token) for each sequence that ran.
+        """One step (scheduler.py): returns (sequence, new token) for each sequence that produced one
+        (a sequence in the middle of its prompt produces none).
 
         Sequences that finished in this step have `finished` set and their blocks already freed.
         """
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        batch = self.scheduler.schedule()
+        if not batch:
             return []
-        tokens = self.runner.run(seqs, is_prefill)
+        results = self.runner.run(batch)
+        for seq, n in batch:
+            seq.num_cached += n
         now = time.monotonic()
-        for seq, tok in zip(seqs, tokens):
-            seq.num_cached = len(seq)
+        for seq, tok in results:
             seq.output_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -155,7 +197,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.EOS)
             elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
-        return list(zip(seqs, tokens))
+        return results
 
     def finish_stopped(self, seq: Sequence) -> None:
         """Called by the caller's text stream when a stop string appeared."""

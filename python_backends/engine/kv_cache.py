@@ -26,27 +26,16 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(len(seq)) <= self.num_free
+    def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence's first num_tokens tokens can have cache slots (with free blocks if need be)."""
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for every token of the sequence (prefill writes them all)."""
-        assert not seq.block_table, "sequence already holds blocks"
-        need = self.blocks_needed(len(seq))
+    def hold(self, seq: Sequence, num_tokens: int) -> None:
+        """Takes free blocks until the sequence's first num_tokens tokens have cache slots."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free:
             raise RuntimeError("out of KV blocks")
-        seq.block_table = [self._free.popleft() for _ in range(need)]
-
-    def _needs_block(self, seq: Sequence) -> bool:
-        # A decode step writes position len(seq) - 1 (the newest token).
-        return len(seq) > len(seq.block_table) * self.block_size
-
-    def can_append(self, seq: Sequence) -> bool:
-        return not self._needs_block(seq) or self.num_free > 0
-
-    def append_slot(self, seq: Sequence) -> None:
-        if self._needs_block(seq):
-            seq.block_table.append(self._free.popleft())
+        seq.block_table.extend(self._free.popleft() for _ in range(max(need, 0)))
 
     def free(self, seq: Sequence) -> None:
         self._free.extend(seq.block_table)

@@ -7,7 +7,7 @@ Hugging Face checkpoint by name (`model.language_model.*`, `lm_head.weight`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
 
@@ -33,15 +33,24 @@ REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=
 
 
 @dataclass
+class Chunk:
+    """A run of one sequence's prompt tokens computed in a step (chunked prefill)."""
+    rows: slice  # its rows of the packed token axis
+    context_slots: torch.Tensor  # cache slots of the sequence's tokens up to the chunk's end (the chunk's own included)
+    mask: torch.Tensor | None  # [n, context] bool: which keys each query sees; None: the chunk starts the sequence
+
+
+@dataclass
 class StepInputs:
     """What one forward needs besides token ids; built by the runner."""
     positions: torch.Tensor  # [3, T] (t, h, w) mRoPE positions
     slots: torch.Tensor  # [T] cache slot each token's K/V is written to
-    is_prefill: bool
-    seq_lens: list[int]  # prefill: tokens per sequence (segments of the packed axis)
-    block_tables: torch.Tensor | None = None  # decode: int32 [B, max_blocks] (padded with any block id)
-    context_lens: torch.Tensor | None = None  # decode: int32 [B]
-    opt_out: torch.Tensor | None = None  # decode: [B] bool, tokens that keep their top-K
+    is_prefill: bool  # the step computes prompt chunks: eager, plain top-K routing for every row
+    chunks: list[Chunk] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None  # prefill steps: rows that are decode tokens (None: no such row)
+    block_tables: torch.Tensor | None = None  # decode rows: int32 [B, max_blocks] (padded with any block id)
+    context_lens: torch.Tensor | None = None  # decode rows: int32 [B]
+    opt_out: torch.Tensor | None = None  # decode steps: [B] bool, tokens that keep their top-K
     visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
     visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
     deepstack: torch.Tensor | None = None  # [layers, V, hidden] added to those rows after the first layers
@@ -154,21 +163,22 @@ class Qwen3VLMoeTextDecoder:
         q = self.ops.qk_norm_rope_cache(F.linear(x, layer.qkv), layer.q_norm, layer.k_norm, cos, sin,
                                         kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
                                         cfg.num_heads, cfg.num_kv_heads)
-        if step.is_prefill:
-            k_all, v_all = kv.k[layer.idx][step.slots], kv.v[layer.idx][step.slots]
-            out = torch.empty_like(q)
-            start = 0
-            for n in step.seq_lens:
-                seg = slice(start, start + n)
-                # [1, heads, n, d]; the segment is the whole sequence, so plain causal attention.
-                o = F.scaled_dot_product_attention(
-                    q[seg].transpose(0, 1)[None], k_all[seg].transpose(0, 1)[None], v_all[seg].transpose(0, 1)[None],
-                    is_causal=True, scale=self.scale, enable_gqa=True)
-                out[seg] = o[0].transpose(0, 1)
-                start += n
-        else:
-            out = self.ops.decode_attention(q, kv.k[layer.idx], kv.v[layer.idx], step.block_tables,
-                                            step.context_lens, kv.block_size, self.scale)
+        k_cache, v_cache = kv.k[layer.idx], kv.v[layer.idx]
+        if not step.is_prefill:
+            out = self.ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
+                                            kv.block_size, self.scale)
+            return F.linear(out.reshape(T, -1), layer.o)
+        out = torch.empty_like(q)
+        for chunk in step.chunks:
+            # [1, heads, n, d] against the whole context so far, gathered from the cache.
+            k, v = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+            o = F.scaled_dot_product_attention(
+                q[chunk.rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True)
+            out[chunk.rows] = o[0].transpose(0, 1)
+        if step.decode_rows is not None:
+            out[step.decode_rows] = self.ops.decode_attention(q[step.decode_rows], k_cache, v_cache, step.block_tables,
+                                                              step.context_lens, kv.block_size, self.scale)
         return F.linear(out.reshape(T, -1), layer.o)
 
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs,

@@ -1,14 +1,22 @@
-"""Turns a scheduled batch into model inputs, runs one forward (eager, or a decode step's CUDA graph)
-and samples one token per sequence; every decode step's routing goes into `routing_stats`."""
+"""Turns a scheduled batch into model inputs, runs one forward and samples the next tokens.
+
+A step whose every sequence computes just its newest token is a decode step: attention over the
+paged cache, the routing policy, and on CUDA a replay of the batch size's CUDA graph; its routing
+goes into `routing_stats`. A step with prompt chunks in it runs eagerly with plain top-K routing
+(its decode rows too: the chunk's tokens activate most experts anyway).
+"""
 from __future__ import annotations
+
+from bisect import bisect_left
 
 import torch
 
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import BlockManager, KVCache
-from .model import Qwen3VLMoeTextDecoder, StepInputs
+from .model import Chunk, Qwen3VLMoeTextDecoder, StepInputs
 from .routing import RoutingStats
 from .sampler import sample
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
@@ -34,26 +42,42 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
-        ids, pos, slots, lens, rows = [], [], [], [], []
+    def prepare_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
+        """A step that computes prompt chunks (and maybe decode tokens): all its tokens packed on one
+        axis, each chunk with the cache slots of its whole context, decode rows with block tables."""
+        ids, pos, slots, rows, chunks, decode = [], [], [], [], [], []
         visual_rows, embeds, deepstack = [], [], []
-        start = 0
-        for seq in seqs:
-            n = len(seq)
-            ids.extend(seq.all_ids)
-            pos.append(self._positions(seq))
-            slots.extend(self.blocks.slots(seq, 0, n))
-            lens.append(n)
-            rows.append(start + n - 1)
-            if seq.visual is not None:
-                image_rows = [start + j for j, t in enumerate(seq.prompt_ids) if t == self.model.cfg.image_token_id]
-                visual_rows.extend(image_rows)
-                embeds.append(seq.visual.embeds)
+        row = 0
+        for seq, n in batch:
+            start = seq.num_cached
+            ids.extend(seq.all_ids[start:start + n])
+            pos.append(self._positions(seq)[:, start:start + n])
+            slots.extend(self.blocks.slots(seq, start, start + n))
+            if start + n == len(seq):
+                rows.append(row + n - 1)  # the chunk reaches the end: this row samples the next token
+            if is_decode(seq, n):
+                decode.append((row, seq))
+            else:
+                context = self._tensor(self.blocks.slots(seq, 0, start + n))
+                mask = None  # from the start of the sequence the chunk is plain causal attention
+                if start:  # query i (at position start + i) sees the context up to start + i
+                    mask = (torch.arange(start + n, device=self.device)[None, :]
+                            <= torch.arange(start, start + n, device=self.device)[:, None])
+                chunks.append(Chunk(slice(row, row + n), context, mask))
+            if seq.visual is not None:  # the image tokens inside this chunk: a run of the visual rows
+                first, last = bisect_left(seq.image_rows, start), bisect_left(seq.image_rows, start + n)
+                visual_rows.extend(row + j - start for j in seq.image_rows[first:last])
+                embeds.append(seq.visual.embeds[first:last])
                 if seq.visual.deepstack is not None:
-                    deepstack.append(seq.visual.deepstack)
-            start += n
+                    deepstack.append(seq.visual.deepstack[:, first:last])
+            row += n
         step = StepInputs(positions=torch.cat(pos, dim=1).to(self.device), slots=self._tensor(slots),
-                          is_prefill=True, seq_lens=lens)
+                          is_prefill=True, chunks=chunks)
+        if decode:
+            table = self.decode_batch([seq for _, seq in decode])
+            step.decode_rows = self._tensor([r for r, _ in decode])
+            step.block_tables = table["block_tables"].to(self.device)
+            step.context_lens = table["context_lens"].to(self.device)
         if visual_rows:
             step.visual_rows = self._tensor(visual_rows)
             step.visual_embeds = torch.cat(embeds).to(self.device)
@@ -88,20 +112,28 @@ class ModelRunner:
     def prepare_decode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
         d = {k: v.to(self.device) for k, v in batch.items()}
         B = d["input_ids"].shape[0]
-        step = StepInputs(positions=d["positions"], slots=d["slots"], is_prefill=False, seq_lens=[1] * B,
-                          opt_out=d["opt_out"], block_tables=d["block_tables"], context_lens=d["context_lens"])
+        step = StepInputs(positions=d["positions"], slots=d["slots"], is_prefill=False, opt_out=d["opt_out"], block_tables=d["block_tables"], context_lens=d["context_lens"])
         return d["input_ids"], step, torch.arange(B, device=self.device)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        if is_prefill:
-            ids, step, rows = self.prepare_prefill(seqs)
-            return sample(self.model.forward(ids, step, self.kv, rows).logits, seqs)
-        batch = self.decode_batch(seqs)
+    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """One step; returns (sequence, next token) for each sequence whose scheduled tokens reach its
+        end (a sequence still in the middle of its prompt samples nothing)."""
+        if not all(is_decode(seq, n) for seq, n in batch):
+            ids, step, rows = self.prepare_mixed(batch)
+            sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
+            return list(zip(sampling, sample(self.model.forward(ids, step, self.kv, rows).logits, sampling)))
+        seqs = [seq for seq, _ in batch]
+        tensors = self.decode_batch(seqs)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            out = self.graphs.run(**batch)
+            out = self.graphs.run(**tensors)
         else:
-            ids, step, rows = self.prepare_decode(batch)
+            ids, step, rows = self.prepare_decode(tensors)
             out = self.model.forward(ids, step, self.kv, rows)
         # Only the real rows count: a graph's bucket pads the batch with copies of row 0.
         self.routing_stats.add_step(out.routing, len(seqs), self.model.cfg.num_experts)
-        return sample(out.logits, seqs)
+        return list(zip(seqs, sample(out.logits, seqs)))
+
+
+def is_decode(seq: Sequence, num_tokens: int) -> bool:
+    """The step computes only the sequence's newest token: attention over the paged cache."""
+    return num_tokens == 1 and seq.num_cached == len(seq) - 1

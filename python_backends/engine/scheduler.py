@@ -1,9 +1,14 @@
-"""Waiting/running queues: admit by free KV blocks and a token budget, prefill first, then decode.
+"""Waiting/running queues and the token budget of each step (chunked prefill, as vLLM V1 and Sarathi do it).
 
-A step is either a prefill of newly admitted sequences or one decode token for every running
-sequence, so a request that arrives while others decode joins the batch at the next step.
-When decode needs a block and none is free, the most recently admitted sequence is preempted:
-its blocks are freed and it is recomputed (prompt + tokens so far) when re-admitted.
+Every step carries each running sequence's next token(s) under one budget of
+`max_num_batched_tokens`: a sequence that is decoding takes one token, a sequence whose prompt is
+not yet in the KV cache takes a chunk of it (as much as the budget leaves), and waiting sequences
+are admitted while budget, free KV blocks and `max_num_seqs` allow. So a 30-image prompt is
+prefilled over several steps while the running streams keep getting a token every step, instead
+of stalling them for its whole prefill. Running sequences are served oldest first, so decode
+tokens come before prefill chunks. KV blocks are taken as the tokens are scheduled; when a
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it is recomputed (prompt + tokens so far) when re-admitted.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from collections import deque
 
 from .kv_cache import BlockManager
 from .sequence import FinishReason, Sequence, Status
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens of it computed in this step)
 
 
 class Scheduler:
@@ -29,42 +36,40 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns (sequences of this step, is_prefill)."""
-        batch: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if batch and tokens + len(seq) > self.max_num_batched_tokens:
+    def schedule(self) -> ScheduledBatch:
+        """The sequences of this step and how many of each one's tokens it computes."""
+        batch: ScheduledBatch = []
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
                 break
-            if not self.blocks.can_allocate(seq):
-                break
-            self.blocks.allocate(seq)
-            seq.status = Status.RUNNING
-            self.waiting.popleft()
-            batch.append(seq)
-            tokens += len(seq)
-        if batch:
-            self.running.extend(batch)
-            return batch, True
-
-        kept: list[Sequence] = []
-        while self.running:
-            seq = self.running.popleft()
-            while not self.blocks.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
+            if seq.status is not Status.RUNNING:  # preempted earlier in this pass
+                continue
+            n = min(len(seq) - seq.num_cached, budget)
+            while not self.blocks.can_hold(seq, seq.num_cached + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
                     break
             else:
-                self.blocks.append_slot(seq)
-                kept.append(seq)
-        self.running.extend(kept)
-        return kept, False
+                self.blocks.hold(seq, seq.num_cached + n)
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(len(seq), budget)
+            if not self.blocks.can_hold(seq, n):
+                break
+            self.blocks.hold(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            batch.append((seq, n))
+            budget -= n
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

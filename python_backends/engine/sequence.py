@@ -50,6 +50,7 @@ class Sequence:
     generator: torch.Generator | None = None
     opt_out: bool = False  # keep the router's top-K in decode (routing policies skip this request)
     visual: VisualInputs | None = None  # spliced image tokens (kept until the end: preemption recomputes)
+    image_rows: list[int] = field(default_factory=list)  # prompt indices of the image tokens, in order
     arrival: float = 0.0
     first_token_time: float | None = None
 

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..serving.errors import BadInput
 from ..serving.model_settings import MODEL_SETTINGS
@@ -109,6 +110,19 @@ class Metrics:
 
     def gauge(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.GAUGE, name, description)
+
+
+def as_triton(pb_utils, name: str, value):
+    """A numpy array, or a torch tensor handed over through DLPack where it is (GPU tensors stay on
+    the GPU; bf16 has no numpy type)."""
+    if isinstance(value, np.ndarray):
+        return pb_utils.Tensor(name, value)
+    return pb_utils.Tensor.from_dlpack(name, value.contiguous())
+
+
+def as_torch(tensor) -> torch.Tensor:
+    """A Triton input or output tensor as a torch tensor on its device (DLPack: no copy)."""
+    return torch.from_dlpack(tensor.to_dlpack())
 
 
 def error_response(pb_utils, message: str):

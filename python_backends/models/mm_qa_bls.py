@@ -28,7 +28,7 @@ from ..serving.interface import DECODER_OPTIONS
 from ..serving.pipeline import CACHE_GAUGES, CACHE_METRICS, QAPipeline, QARequest, split_features
 from ..settings import parse_parameters, settings_of
 from ..visionzip import VisionZipConfig
-from .io import Metrics, error_response, get_input, load_settings, scalar, strings
+from .io import Metrics, as_torch, as_triton, error_response, get_input, load_settings, scalar, strings
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENCODER_OUTPUTS = ["visual_embeds", "deepstack_embeds", "image_grids", "visual_tokens_kept", "token_importance",
@@ -41,7 +41,7 @@ DECODER_OUTPUTS = ["output_ids", "text_range", "input_token_count", "output_toke
 def bls_request(model: str, inputs: dict, outputs: list[str]):
     """inputs: numpy arrays, or tensors another model returned (passed on as they are: on a GPU,
     image_decode's pixel_values stay on the GPU on their way to vision_encoder)."""
-    tensors = [v if isinstance(v, pb_utils.Tensor) else pb_utils.Tensor(k, v) for k, v in inputs.items()]
+    tensors = [v if isinstance(v, pb_utils.Tensor) else as_triton(pb_utils, k, v) for k, v in inputs.items()]
     return pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=tensors)
 
 
@@ -90,7 +90,7 @@ class BlsCalls:
         so VisionZip can run in the pipeline) -> one ImageFeatures per image."""
         pixels = infer("image_decode", {"images": np.asarray(images, np.object_)}, ["pixel_values", "image_sizes"])
         out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32)}, ENCODER_OUTPUTS)
-        return split_features({name: t.as_numpy() for name, t in out.items()})
+        return split_features({name: as_torch(t) for name, t in out.items()})
 
     @staticmethod
     def decode(inputs: dict) -> DecoderStream:
@@ -107,7 +107,7 @@ class Sink:
         self.sender = sender
 
     def send(self, outputs: dict) -> None:
-        self.sender.send(pb_utils.InferenceResponse([t if isinstance(t, pb_utils.Tensor) else pb_utils.Tensor(n, t)
+        self.sender.send(pb_utils.InferenceResponse([t if isinstance(t, pb_utils.Tensor) else as_triton(pb_utils, n, t)
                                                      for n, t in outputs.items()]))
 
     def close(self, error: str | None) -> None:

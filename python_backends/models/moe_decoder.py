@@ -15,7 +15,7 @@ from ..engine.engine import LLMEngine, RequestError
 from ..serving.decoder import COUNTERS, GAUGES, DecodeRequest, DecodeResponse, DecoderService, VisualTokens
 from ..serving.errors import BadInput
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
-from .io import Metrics, error_response, get_input, load_settings, read_options, resolve_checkpoint
+from .io import Metrics, as_torch, error_response, load_settings, read_options, resolve_checkpoint
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -47,13 +47,21 @@ class Sink:
         return self.sender.is_cancelled()
 
 
-def visual_tokens(request) -> VisualTokens | None:
-    arrays = {name: get_input(pb_utils, request, name) for name in VISUAL_TOKENS}
-    if arrays["visual_tokens_kept"] is None:
+def visual_tokens(request, device: torch.device) -> VisualTokens | None:
+    """vision_encoder's tensors through DLPack, where they are (config: FORCE_CPU_ONLY_INPUT_TENSORS no).
+    The embeddings are copied into this model's own memory on its device (device to device when both
+    are on the GPU: the request's buffers go back to Triton while the sequence still runs); the
+    small index tensors go to the host, where the prompt is spliced."""
+    given = {name: pb_utils.get_input_tensor_by_name(request, name) for name in VISUAL_TOKENS}
+    if given["visual_tokens_kept"] is None:
         return None
-    tensors = {name: None if a is None else torch.from_numpy(a) for name, a in arrays.items()}
-    return VisualTokens(tensors["visual_embeds"], tensors["deepstack_embeds"], tensors["visual_positions"],
-                        tensors["image_grids"], tensors["visual_tokens_kept"])
+    t = {name: None if v is None else as_torch(v) for name, v in given.items()}
+    features = {name: None if t[name] is None else t[name].to(device, copy=True)
+                for name in ("visual_embeds", "deepstack_embeds")}
+    index = {name: None if t[name] is None else t[name].cpu()
+             for name in ("visual_positions", "image_grids", "visual_tokens_kept")}
+    return VisualTokens(features["visual_embeds"], features["deepstack_embeds"], index["visual_positions"],
+                        index["image_grids"], index["visual_tokens_kept"])
 
 
 class TritonPythonModel:
@@ -61,11 +69,13 @@ class TritonPythonModel:
         location, service_config, engine_config = load_settings(args, "moe_decoder")
         checkpoint = resolve_checkpoint(args, location.checkpoint_path)
         engine = LLMEngine(checkpoint, engine_config)
-        pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} on {engine.device} ({engine.dtype}), "
-                                 f"{engine_config.num_kv_blocks} KV blocks of {engine_config.block_size} tokens")
+        pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} ({engine_config.load_format}) on {engine.device} "
+                                 f"({engine.dtype}), KV cache of {engine.blocks.num_blocks} blocks: "
+                                 f"{engine.kv_capacity_tokens} tokens")
         self._metric_families = families = Metrics(pb_utils, "moe_decoder")
         self.metrics = {**{k: families.counter(*v) for k, v in COUNTERS.items()},
                         **{k: families.gauge(*v) for k, v in GAUGES.items()}}
+        self.device = engine.device
         self.service = DecoderService(engine, TokenBytes.from_tokenizer_json(checkpoint), service_config,
                                       publish=self._publish, log_error=pb_utils.Logger.log_error)
 
@@ -79,7 +89,7 @@ class TritonPythonModel:
             try:
                 ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
                 options = read_options(pb_utils, request, DECODER_OPTIONS)
-                self.service.submit(DecodeRequest(ids, options, visual_tokens(request)), sink)
+                self.service.submit(DecodeRequest(ids, options, visual_tokens(request, self.device)), sink)
             except (BadInput, RequestError) as e:
                 sink.send_error(str(e))
         return None

@@ -5,6 +5,8 @@ Not decoupled: an ensemble step may not take inputs from two decoupled models, a
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
@@ -14,7 +16,7 @@ from ..serving.errors import BadInput
 from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
 from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
-from .io import error_response, load_settings, resolve_checkpoint, scalar
+from .io import Metrics, as_torch, as_triton, error_response, load_settings, resolve_checkpoint, scalar
 
 
 def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
@@ -33,13 +35,26 @@ def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list
     return images
 
 
+# counts name -> (Prometheus metric, help)
+METRICS = {
+    "requests": ("zipmoe_vision_requests_total", "Requests whose images went through the vision tower"),
+    "images": ("zipmoe_vision_images_total", "Images through the vision tower"),
+    "forward_us": ("zipmoe_vision_forward_microseconds_total", "Vision tower forward + token importance, summed"),
+    "visionzip_us": ("zipmoe_visionzip_microseconds_total", "VisionZip selection and merging, responses built"),
+}
+
+
 class TritonPythonModel:
     def initialize(self, args):
         location, settings, self.visionzip = load_settings(args, "vision_encoder")
         device, dtype = resolve_device_dtype(settings.device, settings.dtype)
         self.encoder = VisionEncoder(resolve_checkpoint(args, location.checkpoint_path), torch.device(device),
-                                     DTYPES[dtype], settings.importance_layer, settings.budget_weighting)
+                                     DTYPES[dtype], settings.importance_layer, settings.budget_weighting,
+                                     settings.load_format)
         self.multiple = self.encoder.patch * self.encoder.merge
+        self._metric_families = families = Metrics(pb_utils, "vision_encoder")
+        self.metrics = {name: families.counter(*metric) for name, metric in METRICS.items()}
+        self.counts = dict.fromkeys(METRICS, 0)
 
     def execute(self, requests):
         responses: list = [None] * len(requests)
@@ -50,18 +65,20 @@ class TritonPythonModel:
                 if not 0.0 < ratio <= 1.0:
                     raise BadInput(f"visual_keep_ratio must be in (0, 1], got {ratio}")
                 # dlpack: image_decode's GPU tensor arrives as it is (config: FORCE_CPU_ONLY_INPUT_TENSORS no).
-                pixels = torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, "pixel_values").to_dlpack())
+                pixels = as_torch(pb_utils.get_input_tensor_by_name(request, "pixel_values"))
                 sizes = pb_utils.get_input_tensor_by_name(request, "image_sizes").as_numpy()
                 jobs.append((i, split_images(pixels, sizes, self.multiple), ratio))
             except BadInput as e:
                 responses[i] = error_response(pb_utils, f"vision_encoder: {e}")
         if jobs:
+            start_s = time.perf_counter()
             try:
                 feats = self.encoder.features([im for _, images, _ in jobs for im in images])
             except Exception as e:  # one bad batch must not take the model down
                 for i, _, _ in jobs:
                     responses[i] = error_response(pb_utils, f"vision_encoder failed: {e!r}")
                 return responses
+            forward_s = time.perf_counter()
             start = 0
             for i, images, ratio in jobs:
                 mine = feats[start:start + len(images)]
@@ -69,7 +86,20 @@ class TritonPythonModel:
                 tokens = compress(mine, ratio, self.visionzip.context_fraction, self.visionzip.min_tokens_per_image)
                 wants = set(requests[i].requested_output_names())
                 responses[i] = self._response(tokens, mine if wants & {"token_importance", "token_keys"} else None)
+            self._count(len(jobs), sum(len(images) for _, images, _ in jobs), forward_s - start_s,
+                        time.perf_counter() - forward_s)
         return responses
+
+    def _count(self, requests: int, images: int, forward_s: float, visionzip_s: float) -> None:
+        """Where a request's time goes: the tower's forward (shared by the call's requests; it ends with
+        the importance's copy to the host, so the GPU work is done) and VisionZip with the response."""
+        c = self.counts
+        c["requests"] += requests
+        c["images"] += images
+        c["forward_us"] += int(forward_s * 1e6)
+        c["visionzip_us"] += int(visionzip_s * 1e6)
+        for name, metric in self.metrics.items():
+            metric.sync(c[name])
 
     def _response(self, tokens: list[ImageTokens], features: list[ImageFeatures] | None):
         """features: also send every token's importance and key (what mm_qa_bls caches per image)."""
@@ -80,4 +110,4 @@ class TritonPythonModel:
                                           if features else np.zeros(0, np.float32))
             arrays["token_keys"] = (torch.cat([f.keys for f in features]).float().numpy()
                                     if features else np.zeros((0, 1), np.float32))
-        return pb_utils.InferenceResponse([pb_utils.Tensor(name, value) for name, value in arrays.items()])
+        return pb_utils.InferenceResponse([as_triton(pb_utils, name, value) for name, value in arrays.items()])

@@ -48,6 +48,7 @@ COUNTERS = {
 GAUGES = {
     "kv_blocks_free": ("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
     "kv_blocks_total": ("zipmoe_kv_blocks_total", "KV cache blocks in all"),
+    "kv_capacity_tokens": ("zipmoe_kv_capacity_tokens", "Tokens the KV cache holds (sized at load)"),
     "running": ("zipmoe_running_requests", "Sequences in the decode batch"),
     "waiting": ("zipmoe_waiting_requests", "Sequences waiting for admission"),
 }
@@ -177,6 +178,7 @@ class DecoderService:
         sched = self.engine.scheduler
         return {**self.counts, "preemptions": sched.num_preemptions,
                 "kv_blocks_free": self.engine.blocks.num_free, "kv_blocks_total": self.engine.blocks.num_blocks,
+                "kv_capacity_tokens": self.engine.kv_capacity_tokens,
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 **self.engine.routing_stats.snapshot()}
 

@@ -74,8 +74,9 @@ CLIENT_OUTPUTS = _specs(
 )
 
 VISUAL_TOKENS = _specs(
-    TensorSpec("visual_embeds", "FP32", (-1, -1), True, doc="kept tokens of all images [V, hidden]"),
-    TensorSpec("deepstack_embeds", "FP32", (-1, -1, -1), True, doc="their DeepStack features [layers, V, hidden]"),
+    TensorSpec("visual_embeds", "BF16", (-1, -1), True, doc="kept tokens of all images [V, hidden] (stay on the GPU)"),
+    TensorSpec("deepstack_embeds", "BF16", (-1, -1, -1), True,
+               doc="their DeepStack features [layers, V, hidden] (stay on the GPU)"),
     TensorSpec("visual_positions", "INT32", (-1, 2), True, doc="(row, col) of each kept token in its merged grid"),
     TensorSpec("image_grids", "INT32", (-1, 2), True, doc="merged grid (rows, cols) of each image"),
     TensorSpec("visual_tokens_kept", "INT32", (-1,), True, doc="tokens kept per image"),

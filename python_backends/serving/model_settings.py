@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checkpoint import LOAD_FORMATS
 from ..engine.engine import EngineConfig
 from ..settings import DTYPE_CHOICES, CheckpointConfig, setting
 from ..visionzip import BUDGET_WEIGHTINGS, VisionZipConfig
@@ -25,6 +26,8 @@ class ImageDecodeConfig:
 
 @dataclass(frozen=True)
 class VisionEncoderConfig:
+    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: deterministic random weights of "
+                                       "config.json's shapes, made on the device (benchmarks)", choices=LOAD_FORMATS)
     device: str = setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
     dtype: str = setting("auto", "auto = bfloat16 on cuda, float32 on cpu", choices=DTYPE_CHOICES)
     importance_layer: int = setting(-1, "vision layer whose attention ranks the tokens (negative: from the last)")

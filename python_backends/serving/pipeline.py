@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
-import numpy as np
 import torch
 
 from ..embedding_cache import EmbeddingCache, content_key
@@ -86,19 +85,20 @@ def renumber_images(message: str, positions: list[int]) -> str:
     return re.sub(r"\bimage (\d+)", fix, message)
 
 
-def split_features(out: dict[str, np.ndarray]) -> list[ImageFeatures]:
+def split_features(out: dict[str, torch.Tensor]) -> list[ImageFeatures]:
     """vision_encoder's outputs at keep ratio 1.0 -> one ImageFeatures per image.
 
     All rows of all images are back to back, image by image, in token order. Each image's rows are
-    copied so that a cached image holds its own memory, not a view of the whole request's."""
+    copied (on the device they came on: the GPU for the embeddings) so that a cached image holds
+    its own memory, not a view of the whole request's, which goes back to Triton."""
     counts = out["visual_tokens_kept"].reshape(-1).tolist()
     grids = [tuple(g) for g in out["image_grids"].reshape(-1, 2).tolist()]
     if counts != [rows * cols for rows, cols in grids]:
         raise RuntimeError(f"vision_encoder kept {counts} tokens of grids {grids}: not every token (keep 1.0?)")
     features, start = [], 0
 
-    def owned(array: np.ndarray, index) -> torch.Tensor:
-        return torch.from_numpy(array[index].copy())
+    def owned(tensor: torch.Tensor, index) -> torch.Tensor:
+        return tensor[index].clone()
 
     for count, grid in zip(counts, grids):
         rows = slice(start, start + count)

@@ -1,0 +1,481 @@
+"""Serving benchmark: the real server, measured from the client over gRPC streaming into mm_qa.
+
+    python -m zipmoe.clients.bench_serving [--checkpoint DIR] [--set MODEL.PARAMETER=VALUE ...]
+        [--extra-arg=--TRITONSERVER-FLAG ...] [--bench ttft_30img,image_decode,tpot_c1,mixed] [--out PREFIX]
+    python -m zipmoe.clients.bench_serving --url HOST:GRPC [--http-url HOST:HTTP] [--metrics-url HOST:METRICS] ...
+
+Starts one tritonserver on free loopback ports (default checkpoint: the tiny one) unless --url names a
+running one (whose server-side figures need --http-url and --metrics-url). Write --extra-arg with `=`.
+copy_gbps: with CUDA, an eager copy_ of 1 GiB (kernels/benchmarks/timing), in a child process before
+the server starts. Rows: bench, keep_ratio, routing, concurrency, images, n, ttft_ms_p50/p90,
+tpot_ms_p50/p90, itl_ms_p99, tokens_per_s, images_per_s (null where meaningless), extra keys.
+
+ttft_30img    One request at a time, idle server: --images JPEGs of --image-size (repeatable) and a
+              question, stream=true, --ttft-tokens tokens; per keep ratio --warmup, then --n requests.
+              TTFT: sending to the first streamed response (opening the gRPC stream included; also min).
+              breakdown_ms per request: Triton's compute_infer of preprocess, image_decode,
+              vision_encoder (of which vision_forward and visionzip, when it exports those counters),
+              postprocess; decoder_ttft is moe_decoder's arrival-to-first-token (queue + prefill).
+              TTFT beyond their sum is ensemble hand-offs, Python-backend IPC and gRPC.
+image_decode  --decode-images JPEGs of --decode-size straight to image_decode (gRPC infer, only
+              image_sizes returned). images_per_s: images / the server's compute_infer per request;
+              client_images_per_s adds IPC and gRPC.
+tpot_c1       One text request at a time, --tpot-tokens tokens, ignore_eos: tpot = (last - first
+              response) / (tokens - 1), a batch-1 decode step plus the per-token serving path;
+              server_tpot_ms is moe_decoder's own. The TPOT target compares against the engine-only
+              step of `python -m zipmoe.kernels.benchmarks.bench_kernels` (decode rows); the gap is serving.
+mixed         --streams text streams decoding back to back (--stream-tokens, ignore_eos) while a request
+              of --images images (first --image-size, keep --mixed-keep) arrives every --period s for
+              --duration s. ITL: gaps between a stream's consecutive responses (p50, p99, percentiles
+              0..100 in itl_ms_quantiles): how far image prefills stall decoding. ttft: the image
+              requests' under load; tokens_per_s: the streams' tokens in the window. Streams running
+              at the end are read to their end, not cancelled (an mm_qa cancel leaves the decoder going).
+
+Timestamps are taken in this Python process: on a busy client host its threads add jitter to ITL.
+Writes PREFIX.json {device, copy_gbps, checkpoint, overrides, extra_args, rows} after every bench,
+PREFIX.png (matplotlib, the `bench` extra), and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from zipmoe import serve
+from zipmoe.clients.eval_quality import display_path, resolve_checkpoint, routing_effect
+from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
+
+BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed")
+STAGES = ("preprocess", "image_decode", "vision_encoder", "postprocess")  # Triton statistics read
+VISION = {"vision_forward": "zipmoe_vision_forward_microseconds_total",
+          "visionzip": "zipmoe_visionzip_microseconds_total"}
+QUESTION = "What do these pictures show? Answer briefly."
+STORY = "Tell me a long story about a lighthouse keeper and the ships she saw."
+
+
+def synthetic_jpeg(seed: int, size: tuple[int, int], quality: int = 90) -> bytes:
+    """A seeded, detailed picture (colour gradient, grain, blocks, lines of random text): it
+    compresses like a photo of a document, not like a flat test card."""
+    from PIL import Image, ImageDraw
+
+    w, h = size
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    slope = rng.uniform(-80, 80, (2, 3))
+    pixels = rng.uniform(60, 200, 3) + (x / w)[..., None] * slope[0] + (y / h)[..., None] * slope[1]
+    image = Image.fromarray(np.clip(pixels + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(max(2, w * h // 30000)):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        draw.rectangle([x0, y0, x0 + int(rng.integers(4, w // 4 + 5)), y0 + int(rng.integers(4, h // 4 + 5))],
+                       fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    chars = np.array(list("abcdefghijklmnopqrstuvwxyz0123456789   $.,:"))
+    for top in range(2, h - 10, 14):
+        draw.text((3, top), "".join(rng.choice(chars, w // 6)), fill=(0, 0, 0) if rng.random() < 0.8 else (255,) * 3)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    w, _, h = text.lower().partition("x")
+    return int(w), int(h)
+
+
+def pct(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def rounded(v):
+    if isinstance(v, (dict, list)):
+        return {k: rounded(x) for k, x in v.items()} if isinstance(v, dict) else [rounded(x) for x in v]
+    return round(v, 3) if isinstance(v, float) else v
+
+
+def row(bench: str, keep_ratio=None, routing=None, concurrency=1, images=0, n=0, ttft=(), tpot=(), itl=(),
+        tokens_per_s=None, images_per_s=None, **extra) -> dict:
+    return rounded({"bench": bench, "keep_ratio": keep_ratio, "routing": routing, "concurrency": concurrency,
+                    "images": images, "n": n, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90),
+                    "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p90": pct(tpot, 90), "itl_ms_p99": pct(itl, 99),
+                    "tokens_per_s": tokens_per_s, "images_per_s": images_per_s, **extra})
+
+
+def timed_stream(url: str, times: list | None = None, **inputs) -> tuple[float, list[float], dict]:
+    """One streamed request: (send time, arrival of each response, last response), perf_counter clock.
+    `times` is filled as responses arrive, so another thread can watch it."""
+    times, last, start = [] if times is None else times, {}, time.perf_counter()
+    for last in grpc_generate(url, stream=True, **inputs):
+        times.append(time.perf_counter())
+    return start, times, last
+
+
+def diff(before: dict, after: dict, name: str) -> float | None:
+    return after[name] - before.get(name, 0.0) if name in after else None
+
+
+def settled(read):
+    """read() once two reads 50 ms apart agree: Triton and our counters count a request after its
+    last response has left, so a read right after the client has it can miss it (idle server only)."""
+    last, deadline = None, time.monotonic() + 5
+    while (now := read()) != last and time.monotonic() < deadline:
+        last = now
+        time.sleep(0.05)
+    return now
+
+
+class Bench:
+    """The server's endpoints and the run's settings."""
+
+    def __init__(self, url: str, http: str | None, metrics: str | None, args: argparse.Namespace, routing: str):
+        self.url, self.http, self.metrics, self.args, self.routing = url, http, metrics, args, routing
+
+    def stats(self, model: str) -> dict[str, list[int]] | None:
+        """Triton's cumulative statistics of a model: {kind: [count, ns]} (success, queue, compute_*)."""
+        if not self.http:
+            return None
+        out: dict[str, list[int]] = {}
+        with urllib.request.urlopen(f"http://{self.http}/v2/models/{model}/stats", timeout=10) as r:
+            for version in json.loads(r.read())["model_stats"]:
+                for kind, v in version["inference_stats"].items():
+                    count, ns = out.get(kind, (0, 0))
+                    out[kind] = [count + int(v["count"]), ns + int(v["ns"])]
+        return out
+
+    def scrape(self) -> dict[str, float]:
+        return scrape_metrics(self.metrics) if self.metrics else {}
+
+    def snapshot(self) -> dict:
+        return settled(lambda: {"stats": {m: self.stats(m) for m in STAGES}, "metrics": self.scrape()})
+
+
+def breakdown(before: dict, after: dict, n: int) -> tuple[dict, dict]:
+    """Per-request server times (ms) between two snapshots around n requests: compute and queue."""
+    compute, queue = {}, {}
+    for m in STAGES:
+        b, a = before["stats"][m], after["stats"][m]
+        compute[m] = (a["compute_infer"][1] - b["compute_infer"][1]) / n / 1e6 if a and b else None
+        queue[m] = (a["queue"][1] - b["queue"][1]) / n / 1e6 if a and b else None
+    mb, ma = before["metrics"], after["metrics"]
+    vision_requests = diff(mb, ma, "zipmoe_vision_requests_total") or n
+    for key, name in VISION.items():
+        compute[key] = None if name not in ma else diff(mb, ma, name) / vision_requests / 1e3
+    done, ttft_us = diff(mb, ma, "zipmoe_requests_completed_total"), diff(mb, ma, "zipmoe_ttft_microseconds_total")
+    compute["decoder_ttft"] = ttft_us / done / 1e3 if done and ttft_us is not None else None
+    return compute, queue
+
+
+def bench_ttft(b: Bench, size: tuple[int, int]) -> list[dict]:
+    a, label = b.args, f"{size[0]}x{size[1]}"
+    images = [synthetic_jpeg(i, size) for i in range(a.images)]
+    rows = []
+    for keep in a.keep:
+        request = dict(text_input=QUESTION, images=images, max_tokens=a.ttft_tokens, ignore_eos=True,
+                       visual_keep_ratio=keep)
+        try:
+            for _ in range(a.warmup):
+                timed_stream(b.url, **request)
+            before, ttfts = b.snapshot(), []
+            for _ in range(a.n):
+                start, times, last = timed_stream(b.url, **request)
+                ttfts.append((times[0] - start) * 1e3)
+            after = b.snapshot()
+        except ServerError as e:  # e.g. more tokens than max_model_len: the other keep ratios still run
+            rows.append(row("ttft_30img", keep, b.routing, images=a.images, image_size=label, note=f"failed: {e}"))
+            continue
+        compute, queue = breakdown(before, after, a.n)
+        kept = sum(last.get("visual_tokens_kept") or [])
+        rows.append(row("ttft_30img", keep, b.routing, images=a.images, n=a.n, ttft=ttfts, image_size=label,
+                        ttft_ms_min=min(ttfts), visual_tokens=kept, breakdown_ms=compute, queue_ms=queue,
+                        jpeg_kb=sum(map(len, images)) / len(images) / 1024,
+                        note=f"{a.images} images of {label}: {kept} visual tokens after VisionZip"))
+    return rows
+
+
+def bench_image_decode(b: Bench) -> list[dict]:
+    import tritonclient.grpc as grpcclient
+
+    a = b.args
+    images = np.array([synthetic_jpeg(1000 + i, parse_size(a.decode_size)) for i in range(a.decode_images)],
+                      dtype=np.object_)
+    tensor = grpcclient.InferInput("images", [len(images)], "BYTES")
+    tensor.set_data_from_numpy(images)
+    outputs = [grpcclient.InferRequestedOutput("image_sizes")]
+    client = grpcclient.InferenceServerClient(b.url)
+    try:
+        for _ in range(a.warmup):
+            client.infer("image_decode", [tensor], outputs=outputs)
+        before, start = settled(lambda: b.stats("image_decode")), time.perf_counter()
+        for _ in range(a.n):
+            result = client.infer("image_decode", [tensor], outputs=outputs)
+        wall, after = time.perf_counter() - start, settled(lambda: b.stats("image_decode"))
+    finally:
+        client.close()
+    compute_ms = None
+    if before and after:
+        calls = after["compute_infer"][0] - before["compute_infer"][0]
+        compute_ms = (after["compute_infer"][1] - before["compute_infer"][1]) / max(calls, 1) / 1e6
+    h, w = result.as_numpy("image_sizes")[0].tolist()
+    return [row("image_decode", images=len(images), n=a.n, images_per_s=len(images) * 1e3 / compute_ms
+                if compute_ms else None, image_size=a.decode_size, resized=f"{w}x{h}",
+                compute_ms_per_request=compute_ms, client_images_per_s=len(images) * a.n / wall)]
+
+
+def bench_tpot(b: Bench) -> list[dict]:
+    a = b.args
+    request = dict(text_input=STORY, max_tokens=a.tpot_tokens, ignore_eos=True)
+    for _ in range(a.warmup):
+        timed_stream(b.url, **request)
+    before, ttfts, tpots, gaps = settled(b.scrape), [], [], []
+    for _ in range(a.n):
+        start, times, last = timed_stream(b.url, **request)
+        tokens = last["output_token_count"]
+        ttfts.append((times[0] - start) * 1e3)
+        tpots.append((times[-1] - times[0]) * 1e3 / max(tokens - 1, 1))
+        gaps.extend(np.diff(times) * 1e3)
+    after = settled(b.scrape)
+    steps, us = (diff(before, after, f"zipmoe_decode_{k}_total") for k in ("tokens", "microseconds"))
+    return [row("tpot_c1", None, b.routing, n=a.n, ttft=ttfts, tpot=tpots, itl=gaps,
+                tokens_per_s=1e3 / pct(tpots, 50), tokens=tokens, itl_ms_p50=pct(gaps, 50),
+                server_tpot_ms=us / steps / 1e3 if steps else None,
+                experts_read=routing_effect(before, after)["experts_read"] if after else None)]
+
+
+def bench_mixed(b: Bench) -> list[dict]:
+    a = b.args
+    images = [synthetic_jpeg(2000 + i, parse_size(a.image_size[0])) for i in range(a.images)]
+    stop, errors = threading.Event(), []
+    requests: list[list[list[float]]] = [[] for _ in range(a.streams)]  # per stream, per request: arrivals
+
+    def stream(i: int) -> None:
+        while not stop.is_set():
+            requests[i].append(times := [])
+            try:
+                timed_stream(b.url, times, text_input=f"{STORY} ({i})", max_tokens=a.stream_tokens, ignore_eos=True)
+            except Exception as e:  # noqa: BLE001 -- counted and reported; the stream starts again
+                errors.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.1)
+
+    def image_request() -> float | None:
+        try:
+            start, times, _ = timed_stream(b.url, text_input=QUESTION, images=images, max_tokens=a.ttft_tokens,
+                                           ignore_eos=True, visual_keep_ratio=a.mixed_keep)
+            return (times[0] - start) * 1e3
+        except ServerError as e:
+            errors.append(f"image request: {e}")
+            return None
+
+    for _ in range(a.warmup):
+        image_request()
+    workers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(a.streams)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 600  # the window opens when every stream decodes (or has failed)
+    while not all(any(r) for r in requests) and len(errors) < a.streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before, t0 = b.scrape(), time.perf_counter()
+    t1 = t0 + a.duration
+    with ThreadPoolExecutor(max(1, int(np.ceil(a.duration / a.period)))) as pool:
+        futures = []
+        while t0 + len(futures) * a.period < t1:
+            time.sleep(max(0.0, t0 + len(futures) * a.period - time.perf_counter()))
+            futures.append(pool.submit(image_request))
+        time.sleep(max(0.0, t1 - time.perf_counter()))
+        stop.set()
+        after = b.scrape()
+        ttfts = [t for t in (f.result() for f in futures) if t is not None]
+    for w in workers:
+        w.join()
+    gaps, tpots, tokens = [], [], 0
+    for times in (times for per_stream in requests for times in per_stream):
+        inside = [t for t in times if t0 <= t <= t1]
+        tokens += len(inside)
+        if len(inside) >= 2:
+            gaps.extend(np.diff(inside) * 1e3)
+            tpots.append((inside[-1] - inside[0]) * 1e3 / (len(inside) - 1))
+    return [row("mixed", a.mixed_keep, b.routing, concurrency=a.streams, images=a.images, n=len(ttfts),
+                ttft=ttfts, tpot=tpots, itl=gaps, tokens_per_s=tokens / a.duration, itl_ms_p50=pct(gaps, 50),
+                itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
+                image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
+                preemptions=diff(before, after, "zipmoe_preemptions_total"),
+                experts_read=routing_effect(before, after)["experts_read"] if after else None,
+                image_size=a.image_size[0], note=f"{a.streams} streams + {a.images} images every {a.period:g} s")]
+
+
+def device_info() -> tuple[str, float | None]:
+    """(device name or "cpu", copy bandwidth in GB/s), from a child process: the server gets the GPU whole."""
+    code = ("import json, torch\nif torch.cuda.is_available():\n"
+            "    from zipmoe.kernels.benchmarks.timing import copy_gbps\n"
+            "    print(json.dumps([torch.cuda.get_device_name(), round(copy_gbps(), 1)]))\n"
+            "else:\n    print(json.dumps(['cpu', None]))")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, check=True).stdout
+    return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def run_benches(b: Bench, result: dict, save) -> None:
+    for name in b.args.bench:
+        print(f"{name} ...", flush=True)
+        try:
+            if name == "ttft_30img":
+                rows = [r for size in b.args.image_size for r in bench_ttft(b, parse_size(size))]
+            else:
+                rows = {"image_decode": bench_image_decode, "tpot_c1": bench_tpot, "mixed": bench_mixed}[name](b)
+        except Exception as e:  # noqa: BLE001 -- one bench failing leaves the others' rows
+            print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            rows = [row(name, note=f"failed: {type(e).__name__}: {e}")]
+        result["rows"] += rows
+        save()
+
+
+def fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['device']}, copy {fmt(result['copy_gbps'], '.0f')} GB/s, {result['checkpoint']}"
+             + "".join(f", {m}.{k}={v}" for m, p in result["overrides"].items() for k, v in p.items()),
+             f"{'bench':<12} {'size':>9} {'keep':>4} {'conc':>4} {'imgs':>4} {'n':>4} {'TTFT p50/p90 ms':>17} "
+             f"{'TPOT p50/p90 ms':>16} {'ITL p99':>8} {'tok/s':>8} {'img/s':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['bench']:<12} {r.get('image_size', ''):>9} {fmt(r['keep_ratio'], '.2f'):>4} "
+                     f"{r['concurrency']:>4} {r['images']:>4} {r['n']:>4} {fmt(r['ttft_ms_p50']):>8}/"
+                     f"{fmt(r['ttft_ms_p90']):<8} {fmt(r['tpot_ms_p50'], '.2f'):>7}/{fmt(r['tpot_ms_p90'], '.2f'):<8} "
+                     f"{fmt(r['itl_ms_p99'], '.2f'):>8} {fmt(r['tokens_per_s']):>8} {fmt(r['images_per_s']):>8}")
+        extra = {k: r[k] for k in ("breakdown_ms", "client_images_per_s", "resized", "server_tpot_ms", "itl_ms_p50",
+                                   "experts_read", "failed", "first_error", "note") if r.get(k) is not None}
+        if extra:
+            lines.append("    " + "; ".join(f"{k}: " + (", ".join(f"{p} {fmt(v, '.2f')}" for p, v in x.items())
+                                                        if isinstance(x, dict) else str(x)) for k, x in extra.items()))
+    return "\n".join(lines)
+
+
+PARTS = ("preprocess", "image_decode", "vision_forward", "visionzip", "vision_encoder", "decoder_ttft", "postprocess")
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Left: TTFT p50 per image size and keep ratio, the server's parts (means) stacked, "other" the rest
+    of the p50. Right: the mixed bench's ITL distribution. False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    ttft = [r for r in result["rows"] if r["bench"] == "ttft_30img" and r["ttft_ms_p50"] is not None]
+    colours = dict(zip(PARTS, plt.get_cmap("tab10").colors))
+    for i, r in enumerate(ttft):
+        parts = {k: v for k, v in (r.get("breakdown_ms") or {}).items() if v is not None}
+        if "vision_encoder" in parts:  # what vision_encoder spends beyond its two measured parts
+            parts["vision_encoder"] = max(0.0, parts["vision_encoder"] - parts.get("vision_forward", 0)
+                                          - parts.get("visionzip", 0))
+        bottom = 0.0
+        for part in (p for p in PARTS if p in parts):
+            rest = part == "vision_encoder" and "vision_forward" in parts
+            left.bar(i, parts[part], bottom=bottom, color=colours[part], label=None if i else part + " (rest)" * rest)
+            bottom += parts[part]
+        left.bar(i, max(0.0, r["ttft_ms_p50"] - bottom), bottom=bottom, color="lightgrey",
+                 label=None if i else "other (IPC, gRPC)")
+    left.set_xticks(range(len(ttft)), [f"{r['image_size']}\nkeep {r['keep_ratio']:g}" for r in ttft], fontsize=8)
+    left.set(ylabel="ms")
+    left.set_title(f"TTFT p50, {ttft[0]['images'] if ttft else 0} images, server parts stacked", fontsize=10)
+    mixed = [r for r in result["rows"] if r["bench"] == "mixed" and r.get("itl_ms_quantiles")]
+    for r in mixed:
+        right.plot(r["itl_ms_quantiles"], range(101), label=f"{r['concurrency']} streams + {r['images']} images")
+        right.set_xscale("log")
+    right.set(xlabel="inter-token gap, ms", ylabel="percentile")
+    right.set_title("mixed: ITL distribution of the text streams", fontsize=10)
+    for ax, rows in ((left, ttft), (right, mixed)):
+        if rows:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
+    fig.suptitle(f"{result['device']}: {result['checkpoint']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zipmoe.clients.bench_serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", help="checkpoint directory (default: checkpoints/tiny, built); with --url a label")
+    p.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
+                   help="a config.pbtxt parameter of the server started (repeatable); with --url only recorded")
+    p.add_argument("--extra-arg", action="append", default=[], help="a tritonserver flag (write it with =)")
+    p.add_argument("--url", help="gRPC HOST:PORT of a running server (default: start one)")
+    p.add_argument("--http-url", help="with --url: its HTTP HOST:PORT (Triton's statistics)")
+    p.add_argument("--metrics-url", help="with --url: its metrics HOST:PORT")
+    p.add_argument("--routing", help="the rows' routing label (default: --set moe_decoder.routing_policy, or topk)")
+    p.add_argument("--bench", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
+    p.add_argument("--image-size", action="append", help="WxH, repeatable (default 512x512)")
+    p.add_argument("--keep", default="1.0,0.6,0.4", help="ttft_30img's keep ratios (comma list)")
+    p.add_argument("--decode-size", default="1024x768")
+    for flag, default in (("--images", 30), ("--n", 10), ("--warmup", 2), ("--ttft-tokens", 1),
+                          ("--decode-images", 64), ("--tpot-tokens", 256), ("--streams", 16), ("--stream-tokens", 512)):
+        p.add_argument(flag, type=int, default=default, help=f"(default {default})")
+    for flag, default in (("--period", 2.0), ("--duration", 30.0), ("--mixed-keep", 0.6), ("--ready-timeout", 1800)):
+        p.add_argument(flag, type=float, default=default, help=f"(default {default})")
+    p.add_argument("--log-file", type=Path, default=Path(tempfile.gettempdir()) / "zipmoe-bench-serving-server.log")
+    p.add_argument("--out", type=Path, help="writes PREFIX.json and PREFIX.png")
+    args = p.parse_args(argv)
+    args.keep = [float(k) for k in args.keep.split(",")]
+    args.image_size = args.image_size or ["512x512"]
+    args.bench = [name.strip() for name in args.bench.split(",") if name.strip()]
+    if set(args.bench) - set(BENCHES):
+        p.error(f"unknown bench in {args.bench}; choose from {', '.join(BENCHES)}")
+    if min(args.images, args.n, args.ttft_tokens, args.decode_images, args.tpot_tokens, args.streams,
+           args.stream_tokens) < 1 or min(args.period, args.duration) <= 0:
+        p.error("counts must be at least 1, --period and --duration positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    overrides = serve.parse_overrides(args.set)
+    routing = args.routing or overrides.get("moe_decoder", {}).get("routing_policy", "topk")
+    device, gbps = device_info()
+    print(f"device {device}" + (f": copy_ {gbps:.0f} GB/s (read + write)" if gbps else ""), flush=True)
+    result = {"device": device, "copy_gbps": gbps, "checkpoint": None, "overrides": overrides,
+              "extra_args": args.extra_arg, "rows": []}
+    out = args.out.with_suffix("") if args.out and args.out.suffix in (".json", ".png") else args.out
+
+    def save() -> None:  # after every bench: a run cut short keeps what it measured
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.with_name(out.name + ".json").write_text(json.dumps(result, indent=1) + "\n")
+
+    if args.url:
+        result["checkpoint"] = args.checkpoint or f"unknown (server at {args.url})"
+        run_benches(Bench(args.url, args.http_url, args.metrics_url, args, routing), result, save)
+    else:
+        checkpoint = resolve_checkpoint(args.checkpoint or serve.TINY_CHECKPOINT)
+        result["checkpoint"] = display_path(checkpoint)
+        ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+        print(f"starting tritonserver on {checkpoint} (log: {args.log_file}) ...", flush=True)
+        with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=args.log_file,
+                                extra_args=args.extra_arg, overrides=overrides, **ports) as server:
+            server.wait_ready(timeout=args.ready_timeout)
+            run_benches(Bench(server.url_grpc, server.url_http, server.url_metrics, args, routing), result, save)
+    print(table(result))
+    save()
+    if out is not None:
+        print(f"wrote {out.with_name(out.name + '.json')}")
+        png = out.with_name(out.name + ".png")
+        print(f"wrote {png}" if plot(result, png) else "matplotlib not importable (pip install zipmoe[bench]): no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""How many KV-cache blocks fit: `gpu_memory_utilization` of the GPU, less the weights and a worst-case step.
+
+After the weights are on the GPU, the engine runs the largest step it will ever run (one chunk of
+`max_num_batched_tokens` prompt tokens, all of them image tokens with DeepStack features, attending
+to a context of `max_model_len`) against a throw-away cache, and measures the activations' peak.
+The KV cache then gets what is left of `gpu_memory_utilization` x the GPU's memory, and never more
+than is free right now (other models' processes — vision_encoder, image_decode, Triton's CUDA pool —
+share the GPU and keep the rest), less a fixed reserve for the CUDA graphs, the CUDA context and
+the allocator's slack.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint import TextConfig
+from .kv_cache import KVCache
+
+RESERVE_BYTES = 1 << 30  # CUDA graphs' pool, CUDA context and libraries, allocator fragmentation
+CPU_KV_BLOCKS = 1024  # without a GPU there is nothing to measure: a fixed cache (num_kv_blocks overrides)
+
+
+class OutOfMemory(RuntimeError):
+    """The model does not fit as configured; the message names the parameter to change."""
+
+
+def block_bytes(text: TextConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block in every layer."""
+    return 2 * text.num_layers * block_size * text.num_kv_heads * text.head_dim * dtype.itemsize
+
+
+@dataclass
+class MemoryPlan:
+    total: int  # the GPU's memory
+    weights: int  # allocated by this process after loading
+    activations: int  # peak of the worst-case step above the weights
+    free: int  # free on the GPU after the worst-case step (other processes' use excluded)
+    utilization: float
+
+    def kv_bytes(self) -> int:
+        """What the cache may take: our share of the GPU and what is free, each less the step's
+        activations (they come back at run time) and the reserve."""
+        ours = self.utilization * self.total - self.weights - self.activations
+        return int(min(ours, self.free - self.activations) - RESERVE_BYTES)
+
+    def num_blocks(self, per_block: int) -> int:
+        return max(self.kv_bytes() // per_block, 0)
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (f"GPU {self.total / gib:.1f} GiB x {self.utilization}: weights {self.weights / gib:.1f} GiB, "
+                f"worst-case step {self.activations / gib:.2f} GiB, reserve {RESERVE_BYTES / gib:.1f} GiB, "
+                f"free {self.free / gib:.1f} GiB -> KV cache {max(self.kv_bytes(), 0) / gib:.1f} GiB")
+
+
+def worst_case_step(model, text: TextConfig, tokens: int, context: int, block_size: int,
+                    deepstack_layers: int) -> int:
+    """Peak bytes allocated above what was allocated before, in the largest step: `tokens` image tokens at the end of a `context`-token sequence."""
+    from .model import Chunk, StepInputs
+
+    device, dtype = model.device, model.dtype
+    kv = KVCache(text.num_layers, -(-context // block_size), block_size, text.num_kv_heads, text.head_dim,
+                 dtype, device)
+    start = context - tokens
+    rows = torch.arange(tokens, device=device)
+    positions = torch.arange(start, context, device=device).expand(3, -1)
+    mask = None if start == 0 else torch.arange(context, device=device)[None, :] <= (start + rows)[:, None]
+    step = StepInputs(positions=positions, slots=start + rows, is_prefill=True,
+                      chunks=[Chunk(slice(0, tokens), torch.arange(context, device=device), mask)],
+                      visual_rows=rows, visual_embeds=torch.zeros(tokens, text.hidden_size, dtype=dtype, device=device),
+                      deepstack=(torch.zeros(deepstack_layers, tokens, text.hidden_size, dtype=dtype, device=device)
+                                 if deepstack_layers else None))
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model.forward(torch.zeros(tokens, dtype=torch.long, device=device), step, kv, rows[-1:])
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def plan(model, text: TextConfig, utilization: float, tokens: int, context: int, block_size: int,
+         deepstack_layers: int) -> MemoryPlan:
+    device = model.device
+    weights = torch.cuda.memory_allocated(device)
+    try:
+        activations = worst_case_step(model, text, tokens, context, block_size, deepstack_layers)
+    except torch.OutOfMemoryError:
+        raise OutOfMemory(f"out of GPU memory in a step of max_num_batched_tokens {tokens} tokens over a context of "
+                          f"max_model_len {context} (weights {weights / 2**30:.1f} GiB): lower max_num_batched_tokens "
+                          "or max_model_len") from None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryPlan(total, weights, activations, free, utilization)

@@ -1,0 +1,71 @@
+"""Chunked prefill: a prompt computed over several steps (chunk boundaries inside image-token runs,
+DeepStack rows and mRoPE positions spliced per chunk) gives the logits of a one-shot prefill, and
+a sequence that decodes beside someone else's chunks gets the tokens it gets alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.sequence import SamplingParams
+from zipmoe.prompt import ChatPrompt
+from zipmoe.vision import VisionEncoder
+
+from test_vision_reference import SIZES, visual_request
+
+
+@pytest.fixture(scope="module")
+def request_with_images(tiny_checkpoint):
+    g = torch.Generator().manual_seed(1)
+    images = [torch.randn(3, h, w, generator=g) for h, w in SIZES]
+    encoder = VisionEncoder(tiny_checkpoint, torch.device("cpu"), torch.float32)
+    ids, visual, _ = visual_request(encoder, ChatPrompt(tiny_checkpoint), images, 0.6)
+    return ids, visual
+
+
+def engine(checkpoint, budget: int) -> LLMEngine:
+    return LLMEngine(checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, block_size=4, max_model_len=256,
+                                              max_num_seqs=4, max_num_batched_tokens=budget))
+
+
+def prefill_logits(eng: LLMEngine, ids, visual) -> tuple[torch.Tensor, int]:
+    """Runs the prompt's chunks step by step; the last row's logits and the number of steps."""
+    seq = eng.add_request(ids, SamplingParams(max_tokens=1), visual=visual)
+    steps = 0
+    while seq.num_cached < len(seq):
+        batch = eng.scheduler.schedule()
+        inputs, step, rows = eng.runner.prepare_mixed(batch)
+        logits = eng.model.forward(inputs, step, eng.runner.kv, rows).logits
+        for s, n in batch:
+            s.num_cached += n
+        steps += 1
+    return logits[-1], steps
+
+
+@pytest.mark.parametrize("budget", [4, 7, 33])
+def test_chunked_prefill_gives_the_one_shot_logits(tiny_checkpoint, request_with_images, budget):
+    ids, visual = request_with_images
+    whole, one = prefill_logits(engine(tiny_checkpoint, 256), ids, visual)
+    chunked, steps = prefill_logits(engine(tiny_checkpoint, budget), ids, visual)
+    assert one == 1 and steps == -(-len(ids) // budget)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_images):
+    ids, visual = request_with_images
+    text = list(range(10, 30))
+
+    def run(eng, with_images: bool):
+        a = eng.add_request(text, SamplingParams(max_tokens=24, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        b = eng.add_request(ids, SamplingParams(max_tokens=8, ignore_eos=True), visual=visual) if with_images else None
+        while eng.has_work:
+            eng.step()
+        return a.output_ids, None if b is None else b.output_ids
+
+    alone, _ = run(engine(tiny_checkpoint, 256), with_images=False)
+    _, b_alone = run(engine(tiny_checkpoint, 256), with_images=True)
+    eng = engine(tiny_checkpoint, 9)  # b's prompt takes many steps, each with a's decode token in it
+    a_mixed, b_mixed = run(eng, with_images=True)
+    assert a_mixed == alone and b_mixed == b_alone
