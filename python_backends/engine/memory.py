@@ -65,9 +65,8 @@ def worst_case_step(model, text: TextConfig, tokens: int, context: int, block_si
     start = context - tokens
     rows = torch.arange(tokens, device=device)
     positions = torch.arange(start, context, device=device).expand(3, -1)
-    mask = None if start == 0 else torch.arange(context, device=device)[None, :] <= (start + rows)[:, None]
     step = StepInputs(positions=positions, slots=start + rows, is_prefill=True,
-                      chunks=[Chunk(slice(0, tokens), torch.arange(context, device=device), mask)],
+                      chunks=[Chunk(slice(0, tokens), torch.arange(context, device=device), start)],
                       visual_rows=rows, visual_embeds=torch.zeros(tokens, text.hidden_size, dtype=dtype, device=device),
                       deepstack=(torch.zeros(deepstack_layers, tokens, text.hidden_size, dtype=dtype, device=device)
                                  if deepstack_layers else None))

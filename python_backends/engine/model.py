@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .kv_cache import KVCache
@@ -37,7 +38,7 @@ class Chunk:
     """A run of one sequence's prompt tokens computed in a step (chunked prefill)."""
     rows: slice  # its rows of the packed token axis
     context_slots: torch.Tensor  # cache slots of the sequence's tokens up to the chunk's end (the chunk's own included)
-    mask: torch.Tensor | None  # [n, context] bool: which keys each query sees; None: the chunk starts the sequence
+    start: int  # tokens of the sequence before the chunk
 
 
 @dataclass
@@ -171,10 +172,15 @@ class Qwen3VLMoeTextDecoder:
         out = torch.empty_like(q)
         for chunk in step.chunks:
             # [1, heads, n, d] against the whole context so far, gathered from the cache.
-            k, v = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-            o = F.scaled_dot_product_attention(
-                q[chunk.rows].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale, enable_gqa=True)
+            qc = q[chunk.rows].transpose(0, 1)[None]
+            k, v = (c[chunk.context_slots].transpose(0, 1)[None] for c in (k_cache, v_cache))
+            if chunk.start == 0:  # the chunk starts the sequence: plain causal attention
+                o = F.scaled_dot_product_attention(qc, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:  # query i sits at start + i: causal aligned to the bottom right, never a materialised mask
+                group = cfg.num_heads // cfg.num_kv_heads  # fused kernels take lower-right causal with equal heads
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                o = F.scaled_dot_product_attention(qc, k, v, attn_mask=causal_lower_right(qc.shape[2], k.shape[2]),
+                                                   scale=self.scale)
             out[chunk.rows] = o[0].transpose(0, 1)
         if step.decode_rows is not None:
             out[step.decode_rows] = self.ops.decode_attention(q[step.decode_rows], k_cache, v_cache, step.block_tables,

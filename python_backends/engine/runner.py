@@ -58,12 +58,7 @@ class ModelRunner:
             if is_decode(seq, n):
                 decode.append((row, seq))
             else:
-                context = self._tensor(self.blocks.slots(seq, 0, start + n))
-                mask = None  # from the start of the sequence the chunk is plain causal attention
-                if start:  # query i (at position start + i) sees the context up to start + i
-                    mask = (torch.arange(start + n, device=self.device)[None, :]
-                            <= torch.arange(start, start + n, device=self.device)[:, None])
-                chunks.append(Chunk(slice(row, row + n), context, mask))
+                chunks.append(Chunk(slice(row, row + n), self._tensor(self.blocks.slots(seq, 0, start + n)), start))
             if seq.visual is not None:  # the image tokens inside this chunk: a run of the visual rows
                 first, last = bisect_left(seq.image_rows, start), bisect_left(seq.image_rows, start + n)
                 visual_rows.extend(row + j - start for j in seq.image_rows[first:last])
