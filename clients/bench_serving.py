@@ -32,8 +32,8 @@ mixed         --streams text streams decoding back to back (--stream-tokens, ign
               at the end are read to their end, not cancelled (an mm_qa cancel leaves the decoder going).
 
 Timestamps are taken in this Python process: on a busy client host its threads add jitter to ITL.
-Writes PREFIX.json {device, copy_gbps, checkpoint, overrides, extra_args, rows} after every bench,
-PREFIX.png (matplotlib, the `bench` extra), and prints a table.
+Writes PREFIX.json {device, copy_gbps, checkpoint, overrides, extra_args, rows} after every bench, then
+prints a table and writes PREFIX.png (matplotlib) with bench_serving_report, which re-renders a saved JSON.
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from zipmoe import serve
+from zipmoe.clients import bench_serving_report as report
 from zipmoe.clients.eval_quality import display_path, resolve_checkpoint, routing_effect
 from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
 
@@ -336,77 +337,6 @@ def run_benches(b: Bench, result: dict, save) -> None:
         save()
 
 
-def fmt(v, spec=".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def table(result: dict) -> str:
-    lines = [f"{result['device']}, copy {fmt(result['copy_gbps'], '.0f')} GB/s, {result['checkpoint']}"
-             + "".join(f", {m}.{k}={v}" for m, p in result["overrides"].items() for k, v in p.items()),
-             f"{'bench':<12} {'size':>9} {'keep':>4} {'conc':>4} {'imgs':>4} {'n':>4} {'TTFT p50/p90 ms':>17} "
-             f"{'TPOT p50/p90 ms':>16} {'ITL p99':>8} {'tok/s':>8} {'img/s':>8}"]
-    for r in result["rows"]:
-        lines.append(f"{r['bench']:<12} {r.get('image_size', ''):>9} {fmt(r['keep_ratio'], '.2f'):>4} "
-                     f"{r['concurrency']:>4} {r['images']:>4} {r['n']:>4} {fmt(r['ttft_ms_p50']):>8}/"
-                     f"{fmt(r['ttft_ms_p90']):<8} {fmt(r['tpot_ms_p50'], '.2f'):>7}/{fmt(r['tpot_ms_p90'], '.2f'):<8} "
-                     f"{fmt(r['itl_ms_p99'], '.2f'):>8} {fmt(r['tokens_per_s']):>8} {fmt(r['images_per_s']):>8}")
-        extra = {k: r[k] for k in ("breakdown_ms", "client_images_per_s", "resized", "server_tpot_ms", "itl_ms_p50",
-                                   "experts_read", "failed", "first_error", "note") if r.get(k) is not None}
-        if extra:
-            lines.append("    " + "; ".join(f"{k}: " + (", ".join(f"{p} {fmt(v, '.2f')}" for p, v in x.items())
-                                                        if isinstance(x, dict) else str(x)) for k, x in extra.items()))
-    return "\n".join(lines)
-
-
-PARTS = ("preprocess", "image_decode", "vision_forward", "visionzip", "vision_encoder", "decoder_ttft", "postprocess")
-
-
-def plot(result: dict, path: Path) -> bool:
-    """Left: TTFT p50 per image size and keep ratio, the server's parts (means) stacked, "other" the rest
-    of the p50. Right: the mixed bench's ITL distribution. False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    ttft = [r for r in result["rows"] if r["bench"] == "ttft_30img" and r["ttft_ms_p50"] is not None]
-    colours = dict(zip(PARTS, plt.get_cmap("tab10").colors))
-    for i, r in enumerate(ttft):
-        parts = {k: v for k, v in (r.get("breakdown_ms") or {}).items() if v is not None}
-        if "vision_encoder" in parts:  # what vision_encoder spends beyond its two measured parts
-            parts["vision_encoder"] = max(0.0, parts["vision_encoder"] - parts.get("vision_forward", 0)
-                                          - parts.get("visionzip", 0))
-        bottom = 0.0
-        for part in (p for p in PARTS if p in parts):
-            rest = part == "vision_encoder" and "vision_forward" in parts
-            left.bar(i, parts[part], bottom=bottom, color=colours[part], label=None if i else part + " (rest)" * rest)
-            bottom += parts[part]
-        left.bar(i, max(0.0, r["ttft_ms_p50"] - bottom), bottom=bottom, color="lightgrey",
-                 label=None if i else "other (IPC, gRPC)")
-    left.set_xticks(range(len(ttft)), [f"{r['image_size']}\nkeep {r['keep_ratio']:g}" for r in ttft], fontsize=8)
-    left.set(ylabel="ms")
-    left.set_title(f"TTFT p50, {ttft[0]['images'] if ttft else 0} images, server parts stacked", fontsize=10)
-    mixed = [r for r in result["rows"] if r["bench"] == "mixed" and r.get("itl_ms_quantiles")]
-    for r in mixed:
-        right.plot(r["itl_ms_quantiles"], range(101), label=f"{r['concurrency']} streams + {r['images']} images")
-        right.set_xscale("log")
-    right.set(xlabel="inter-token gap, ms", ylabel="percentile")
-    right.set_title("mixed: ITL distribution of the text streams", fontsize=10)
-    for ax, rows in ((left, ttft), (right, mixed)):
-        if rows:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
-    fig.suptitle(f"{result['device']}: {result['checkpoint']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zipmoe.clients.bench_serving", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -449,7 +379,7 @@ def main(argv=None) -> int:
     print(f"device {device}" + (f": copy_ {gbps:.0f} GB/s (read + write)" if gbps else ""), flush=True)
     result = {"device": device, "copy_gbps": gbps, "checkpoint": None, "overrides": overrides,
               "extra_args": args.extra_arg, "rows": []}
-    out = args.out.with_suffix("") if args.out and args.out.suffix in (".json", ".png") else args.out
+    out = report.prefix(args.out) if args.out else None
 
     def save() -> None:  # after every bench: a run cut short keeps what it measured
         if out is not None:
@@ -468,12 +398,11 @@ def main(argv=None) -> int:
                                 extra_args=args.extra_arg, overrides=overrides, **ports) as server:
             server.wait_ready(timeout=args.ready_timeout)
             run_benches(Bench(server.url_grpc, server.url_http, server.url_metrics, args, routing), result, save)
-    print(table(result))
+    print(report.table(result))
     save()
     if out is not None:
         print(f"wrote {out.with_name(out.name + '.json')}")
-        png = out.with_name(out.name + ".png")
-        print(f"wrote {png}" if plot(result, png) else "matplotlib not importable (pip install zipmoe[bench]): no plot")
+        report.write_plot(result, out.with_name(out.name + ".png"))
     return 0
 
 

@@ -1,20 +1,29 @@
 """Vision tower (transformers' own module, our weights) + global-budget VisionZip for N images.
 
-The tower is not the hot loop, so it stays transformers' `Qwen3VLMoeVisionModel`. A hook on the
-attention of layer ℓ recomputes that layer's q and k, from which
+The tower stays transformers' `Qwen3VLMoeVisionModel`, except its attention (`_attention`): one
+batched SDPA per distinct image size per layer instead of transformers' one call per image. The
+attention of layer ℓ also hands over that layer's q and k, from which
 `kernels.attention_importance.patch_importance` (a Triton kernel; its reference off CUDA) gets
 how much attention each patch receives; the merged tokens then compete for one budget.
 """
 from __future__ import annotations
 
+from functools import partial
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import Qwen3VLMoeConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
     Qwen3VLMoeVisionModel,
     apply_rotary_pos_emb_vision,
+)
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
 )
 
 from .checkpoint import open_weights
@@ -43,6 +52,21 @@ def pixels_of(image, mean: float | torch.Tensor = 0.5, std: float | torch.Tensor
     return (x - mean) / std
 
 
+def attention_groups(lengths: list[int], device: torch.device) -> list[tuple[int, slice | torch.Tensor]]:
+    """Images (contiguous runs of patches, in order) grouped by patch count: (length, their rows), the
+    rows a slice when the group is one run of consecutive images, else a gather index."""
+    starts = list(accumulate(lengths, initial=0))
+    groups = []
+    for length in dict.fromkeys(lengths):  # distinct lengths, first-seen order
+        members = [i for i, n in enumerate(lengths) if n == length]
+        if members[-1] - members[0] == len(members) - 1:
+            rows = slice(starts[members[0]], starts[members[-1]] + length)
+        else:
+            rows = torch.cat([torch.arange(starts[i], starts[i] + length) for i in members]).to(device)
+        groups.append((length, rows))
+    return groups
+
+
 class VisionEncoder:
     def __init__(self, checkpoint: str | Path, device: torch.device, dtype: torch.dtype, importance_layer: int = -1,
                  budget_weighting: str = "distinct", load_format: str = "auto"):
@@ -62,18 +86,36 @@ class VisionEncoder:
         model.rotary_pos_emb = type(model.rotary_pos_emb)(vcfg)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.device, self.dtype = device, dtype
-        layer = importance_layer % vcfg.depth
+        self._importance_layer = importance_layer % vcfg.depth
         self._captured: dict[str, torch.Tensor] = {}
-        self.model.blocks[layer].attn.register_forward_pre_hook(self._capture_qk, with_kwargs=True)
+        self._groups: list[tuple[int, slice | torch.Tensor]] = []  # set by features() for one forward
+        for layer, block in enumerate(self.model.blocks):
+            block.attn.forward = partial(self._attention, block.attn, layer)
 
-    def _capture_qk(self, attn, args, kwargs):
-        """Recomputes q, k of the importance layer from its input (the attention output itself is unchanged)."""
-        x = args[0] if args else kwargs["hidden_states"]
-        n = x.shape[0]
-        q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = kwargs["position_embeddings"]
-        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-        self._captured.update(q=q, k=k, cu_seqlens=kwargs["cu_seqlens"], scale=attn.scaling)
+    def _attention(self, attn, layer: int, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], **kwargs) -> torch.Tensor:
+        """transformers' Qwen3VLMoeVisionAttention with sdpa, batched: it runs one SDPA per image per
+        layer (30 images x 27 layers = 810 small calls, plus a host sync per layer for the split
+        sizes); here the images of one size share one call (one per layer for the usual request),
+        with the grouping computed on the host once per forward (features()). Attention is full
+        inside an image and never crosses images, so no mask. Layer ℓ also keeps its q and k (after
+        rotary, [P, heads, d]) for the importance."""
+        n, heads, d = hidden_states.shape[0], attn.num_heads, attn.head_dim
+        q, k, v = attn.qkv(hidden_states).reshape(n, 3, heads, d).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+        if layer == self._importance_layer:
+            self._captured.update(q=q, k=k, cu_seqlens=cu_seqlens, scale=attn.scaling)
+        # Outside features() (the model called directly), group from cu_seqlens: one host sync per layer.
+        groups = self._groups or attention_groups(cu_seqlens.diff().tolist(), q.device)
+        out = None if len(groups) == 1 else torch.empty_like(v)
+        for length, rows in groups:
+            group = [x[rows].unflatten(0, (-1, length)).transpose(1, 2) for x in (q, k, v)]  # [B, heads, length, d]
+            o = F.scaled_dot_product_attention(*group, scale=attn.scaling).transpose(1, 2).reshape(-1, heads, d)
+            if out is None:
+                out = o  # one group covers every patch in order: nothing to scatter
+            else:
+                out[rows] = o
+        return attn.proj(out.reshape(n, -1))
 
     @torch.inference_mode()
     def features(self, images: list[torch.Tensor]) -> list[ImageFeatures]:
@@ -81,9 +123,24 @@ class VisionEncoder:
         if not images:
             return []
         grids = torch.tensor([[1, im.shape[1] // self.patch, im.shape[2] // self.patch] for im in images])
+        # What transformers would derive from grid_thw on the device (a per-image loop and host syncs),
+        # built once here from the host grids and handed over through its precompute kwargs.
+        interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
+            grids, self.model.num_grid_per_side, mode=self.model.interpolation_mode,
+            align_corners=self.model.interpolation_align_corners, spatial_merge_size=self.merge)
+        cu_seqlens = get_vision_cu_seqlens(grids)
+        precomputed = dict(grid_thw=grids, cu_seqlens=cu_seqlens,
+                           position_ids=get_vision_position_ids(grids, self.merge),
+                           interp_indices=interp_indices, interp_weights=interp_weights)
+        precomputed = {name: t.to(self.device) for name, t in precomputed.items()}
+        groups = attention_groups(cu_seqlens.diff().tolist(), self.device)  # read by _attention in every layer
         pixels = torch.cat([patchify(im.to(self.device, torch.float32), self.patch, self.merge, self.temporal)
                             for im in images]).to(self.dtype)
-        out = self.model(pixels, grid_thw=grids.to(self.device), return_dict=True)
+        self._groups = groups
+        try:
+            out = self.model(pixels, return_dict=True, **precomputed)
+        finally:
+            self._groups = []
         unit = self.merge * self.merge
         per_image = (grids.prod(-1) // unit).tolist()
         embeds = out.pooler_output.split(per_image)

@@ -1,4 +1,5 @@
-"""bench_serving end to end in a tiny configuration against the shared tiny-checkpoint server.
+"""bench_serving end to end in a tiny configuration against the shared tiny-checkpoint server, and
+bench_serving_report re-rendering a saved result.
 
 Only the JSON's structure is checked, and that numbers are finite and positive: never timings."""
 from __future__ import annotations
@@ -6,12 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from zipmoe.clients import bench_serving
+from zipmoe.clients import bench_serving, bench_serving_report
 
-pytestmark = pytest.mark.integration
+SAVED = Path(__file__).resolve().parents[1] / "docs" / "results" / "serving_30b_h200.json"  # a real H200 run
 
 ROW_KEYS = {"bench", "keep_ratio", "routing", "concurrency", "images", "n", "ttft_ms_p50", "ttft_ms_p90",
             "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p99", "tokens_per_s", "images_per_s"}
@@ -28,6 +30,7 @@ def urls(server) -> list[str]:
     return ["--url", server.url_grpc, "--http-url", server.url_http, "--metrics-url", server.url_metrics]
 
 
+@pytest.mark.integration
 def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
     out = tmp_path / "bench"
     assert bench_serving.main(urls(zipmoe_server) + TINY + ["--routing", "topk", "--out", str(out)]) == 0
@@ -66,6 +69,7 @@ def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
     assert all(name in printed for name in bench_serving.BENCHES) and "wrote" in printed
 
 
+@pytest.mark.integration
 def test_starts_one_server_with_overrides_and_extra_args(zipmoe_server, tiny_checkpoint, tmp_path, monkeypatch):
     """Without --url: one TritonServer with the checkpoint, the --set overrides and the --extra-arg flags
     (stood in for by the session server, so no second tritonserver starts)."""
@@ -116,3 +120,13 @@ def test_bad_arguments_are_refused():
         bench_serving.parse_args(["--bench", "ttft_30img,nope"])
     with pytest.raises(SystemExit):
         bench_serving.parse_args(["--n", "0"])
+
+
+def test_report_rerenders_a_saved_result(tmp_path, capsys):
+    """Its extra keys (max_num_batched_tokens on mixed rows, engine_step_ms_topk) are ignored."""
+    saved = SAVED.read_bytes()
+    assert bench_serving_report.main([str(SAVED), "--out", str(tmp_path / "again")]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in bench_serving.BENCHES) and "NVIDIA H200" in printed
+    assert (tmp_path / "again.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    assert SAVED.read_bytes() == saved

@@ -8,6 +8,7 @@ whole request as one DALI batch. Errors name the image and never take the model 
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import os
 import re
@@ -165,3 +166,9 @@ class TritonPythonModel:
             else:
                 pixels.copy_to_external(dst)
         return out, sizes.as_array()
+
+    def finalize(self):
+        # Tear the pipelines (their worker threads and GPU buffers) down while CUDA is still up: left
+        # to interpreter exit, the GPU variant kept the model from unloading at server shutdown.
+        self.header = self.image = None
+        gc.collect()

@@ -6,7 +6,9 @@ request, on a worker thread: preprocess -> each image's features from the cache 
 misses (batched with other requests' misses by `VisionBatcher`), image_decode -> vision_encoder at
 keep ratio 1.0 -> VisionZip over all the request's images under one budget -> moe_decoder
 (streams) -> postprocess per response -> client. The cache holds features *before* VisionZip, so a
-cached image serves any keep ratio.
+cached image serves any keep ratio; it lives in host memory, so this path copies each missed
+image's features to the host once and the kept tokens back to moe_decoder (mm_qa keeps them on
+the GPU all the way).
 
 Cancellation: relaying stops (no more postprocess calls or sends), the decoder's remaining
 responses are read to the end (a decoupled BLS stream is freed only then, and server 2.51 cannot
@@ -89,8 +91,9 @@ def split_features(out: dict[str, torch.Tensor]) -> list[ImageFeatures]:
     """vision_encoder's outputs at keep ratio 1.0 -> one ImageFeatures per image.
 
     All rows of all images are back to back, image by image, in token order. Each image's rows are
-    copied (on the device they came on: the GPU for the embeddings) so that a cached image holds
-    its own memory, not a view of the whole request's, which goes back to Triton."""
+    copied to the host, where the cache lives (cache_bytes of host memory: GPU memory is planned
+    for the models, not for this process), so a cached image holds its own memory, not a view of
+    the whole request's, which goes back to Triton."""
     counts = out["visual_tokens_kept"].reshape(-1).tolist()
     grids = [tuple(g) for g in out["image_grids"].reshape(-1, 2).tolist()]
     if counts != [rows * cols for rows, cols in grids]:
@@ -98,7 +101,7 @@ def split_features(out: dict[str, torch.Tensor]) -> list[ImageFeatures]:
     features, start = [], 0
 
     def owned(tensor: torch.Tensor, index) -> torch.Tensor:
-        return tensor[index].clone()
+        return tensor[index].to("cpu", copy=True)
 
     for count, grid in zip(counts, grids):
         rows = slice(start, start + count)

@@ -1,0 +1,104 @@
+"""VisionEncoder's batched vision attention (one SDPA per image size per layer) against transformers'
+own vision tower, run unmodified with its per-image attention."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3VLMoeForConditionalGeneration
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import apply_rotary_pos_emb_vision
+
+from zipmoe.kernels.attention_importance import patch_importance_reference
+from zipmoe.vision import VisionEncoder, attention_groups, patchify
+from zipmoe.visionzip import merged_importance, weigh_images
+
+from test_vision_reference import SIZES
+
+MIXED = [SIZES[0], SIZES[1], SIZES[0], SIZES[2], SIZES[1], SIZES[0], SIZES[2]]  # equal sizes never adjacent
+SAME = [(64, 64)] * 5
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_checkpoint):
+    return VisionEncoder(tiny_checkpoint, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_checkpoint):
+    """transformers' vision tower as transformers builds it (sdpa, one attention call per image)."""
+    full = Qwen3VLMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    return full.model.visual.eval()
+
+
+def reference_features(stock, images, layer=-1, unit=4):
+    """What features() returns, from the stock tower, q and k recomputed by a hook on layer ℓ's input."""
+    captured = {}
+
+    def capture(attn, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        q, k, _ = attn.qkv(x).reshape(x.shape[0], 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, *kwargs["position_embeddings"])
+        captured.update(q=q, k=k, cu_seqlens=kwargs["cu_seqlens"], scale=attn.scaling)
+
+    grids = torch.tensor([[1, im.shape[1] // 16, im.shape[2] // 16] for im in images])
+    pixels = torch.cat([patchify(im, 16, 2, 2) for im in images])
+    handle = stock.blocks[layer].attn.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = stock(pixels, grid_thw=grids, return_dict=True)
+    finally:
+        handle.remove()
+    per_image = (grids.prod(-1) // unit).tolist()
+    embeds = out.pooler_output.split(per_image)
+    deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)
+    importance = merged_importance(patch_importance_reference(
+        captured["q"], captured["k"], captured["cu_seqlens"], captured["scale"]), unit)
+    importance = weigh_images(importance, embeds, "distinct")
+    keys = captured["k"].float().mean(1)
+    keys = keys.reshape(-1, unit, keys.shape[-1]).mean(1).split(per_image)
+    return embeds, deepstack, importance.split(per_image), keys
+
+
+@pytest.mark.parametrize("sizes", [SAME, MIXED], ids=["one size", "mixed sizes"])
+def test_matches_transformers_vision_tower(encoder, stock, sizes, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    images = [torch.randn(3, h, w, generator=g) for h, w in sizes]
+    sdpa_calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa_calls.append(a[0].shape) or sdpa(*a, **kw))
+    ours = encoder.features(images)
+    # One call per distinct image size per layer, each over all images of that size.
+    assert len(sdpa_calls) == len(encoder.model.blocks) * len(set(sizes))
+    assert sorted(s[0] for s in sdpa_calls[:len(set(sizes))]) == sorted(sizes.count(s) for s in set(sizes))
+    monkeypatch.undo()
+
+    embeds, deepstack, importance, keys = reference_features(stock, images)
+    tight = dict(atol=1e-5, rtol=1e-5)
+    for i, f in enumerate(ours):
+        torch.testing.assert_close(f.embeds, embeds[i], **tight)
+        torch.testing.assert_close(f.deepstack, deepstack[i], **tight)
+        torch.testing.assert_close(f.importance, importance[i], **tight)
+        torch.testing.assert_close(f.keys, keys[i], **tight)
+
+
+def test_attention_groups():
+    one = attention_groups([4, 4, 4], torch.device("cpu"))
+    assert one == [(4, slice(0, 12))]
+    mixed = attention_groups([4, 2, 4, 2, 2, 1], torch.device("cpu"))
+    assert [length for length, _ in mixed] == [4, 2, 1]
+    assert mixed[0][1].tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+    assert mixed[1][1].tolist() == [4, 5, 10, 11, 12, 13]
+    assert mixed[2][1] == slice(14, 15)
+
+
+def test_direct_model_call_matches_stock(encoder, stock):
+    """Called without features() (no grouping prepared), the patched tower still matches."""
+    sizes = MIXED[:4]
+    g = torch.Generator().manual_seed(2)
+    pixels = torch.cat([patchify(torch.randn(3, h, w, generator=g), 16, 2, 2) for h, w in sizes])
+    grids = torch.tensor([[1, h // 16, w // 16] for h, w in sizes])
+    with torch.no_grad():
+        ours = encoder.model(pixels, grid_thw=grids, return_dict=True).pooler_output
+        want = stock(pixels, grid_thw=grids, return_dict=True).pooler_output
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
