@@ -107,3 +107,17 @@ def test_kv_cache_gets_our_share_less_weights_activations_and_reserve():
 def test_cpu_engine_sizes_its_cache_without_a_parameter(tiny_checkpoint):
     eng = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", max_model_len=256))
     assert eng.blocks.num_blocks == memory.CPU_KV_BLOCKS and eng.kv_capacity_tokens == memory.CPU_KV_BLOCKS * 16
+
+
+def test_calibration_reads_the_dummy_weights_the_server_makes(tiny_checkpoint, tmp_path):
+    from zipmoe.build.sere_calibrate import calibrate
+    from zipmoe.sere_file import load_sere
+
+    dummy = calibrate(tiny_checkpoint, tmp_path / "sere_dummy.safetensors", device="cpu", max_tokens=512,
+                      load_format="dummy")
+    real = calibrate(tiny_checkpoint, tmp_path / "sere_real.safetensors", device="cpu", max_tokens=512)
+    a, b = load_sere(tiny_checkpoint, dummy), load_sere(tiny_checkpoint, real)
+    assert a.similarity.shape == b.similarity.shape and not torch.equal(a.similarity, b.similarity)
+    again = calibrate(tiny_checkpoint, tmp_path / "again.safetensors", device="cpu", max_tokens=512,
+                      load_format="dummy")
+    assert torch.equal(load_sere(tiny_checkpoint, again).similarity, a.similarity)  # same seed, same weights
