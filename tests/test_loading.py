@@ -121,3 +121,17 @@ def test_calibration_reads_the_dummy_weights_the_server_makes(tiny_checkpoint, t
     again = calibrate(tiny_checkpoint, tmp_path / "again.safetensors", device="cpu", max_tokens=512,
                       load_format="dummy")
     assert torch.equal(load_sere(tiny_checkpoint, again).similarity, a.similarity)  # same seed, same weights
+
+
+def test_dummy_experts_come_in_groups_that_calibrate_as_alike(tiny_checkpoint, tmp_path):
+    from zipmoe.build.sere_calibrate import calibrate
+    from zipmoe.dummy_weights import EXPERT_GROUP
+    from zipmoe.sere_file import load_sere
+
+    sim = load_sere(tiny_checkpoint, calibrate(tiny_checkpoint, tmp_path / "s.safetensors", device="cpu",
+                                               max_tokens=512, load_format="dummy")).similarity
+    group = torch.arange(sim.shape[-1]) // EXPERT_GROUP
+    same = (group[:, None] == group[None, :]) & ~torch.eye(sim.shape[-1], dtype=torch.bool)
+    across = group[:, None] != group[None, :]
+    within, between = sim[:, same].mean().item(), sim[:, across].mean().item()
+    assert within > 0.5 > between  # SERE at rho 0.5 moves a slot inside its group, never across
