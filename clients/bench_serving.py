@@ -337,17 +337,23 @@ def run_benches(b: Bench, result: dict, save) -> None:
         save()
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m zipmoe.clients.bench_serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The server a benchmark measures: one it starts (--checkpoint, --set, --extra-arg) or a running
+    one (--url, --metrics-url); and the routing label its rows carry. Shared with perf_analyzer_configs."""
     p.add_argument("--checkpoint", help="checkpoint directory (default: checkpoints/tiny, built); with --url a label")
     p.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
                    help="a config.pbtxt parameter of the server started (repeatable); with --url only recorded")
     p.add_argument("--extra-arg", action="append", default=[], help="a tritonserver flag (write it with =)")
     p.add_argument("--url", help="gRPC HOST:PORT of a running server (default: start one)")
-    p.add_argument("--http-url", help="with --url: its HTTP HOST:PORT (Triton's statistics)")
     p.add_argument("--metrics-url", help="with --url: its metrics HOST:PORT")
     p.add_argument("--routing", help="the rows' routing label (default: --set moe_decoder.routing_policy, or topk)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zipmoe.clients.bench_serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_arguments(p)
+    p.add_argument("--http-url", help="with --url: its HTTP HOST:PORT (Triton's statistics)")
     p.add_argument("--bench", default=",".join(BENCHES), help=f"comma list of {', '.join(BENCHES)}")
     p.add_argument("--image-size", action="append", help="WxH, repeatable (default 512x512)")
     p.add_argument("--keep", default="1.0,0.6,0.4", help="ttft_30img's keep ratios (comma list)")

@@ -90,9 +90,10 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def write_plot(result: dict, path: Path) -> None:
-    """plot() to path, saying what became of it."""
-    print(f"wrote {path}" if plot(result, path) else "matplotlib not importable (pip install zipmoe[bench]): no plot")
+def write_plot(result: dict, path: Path, plotter=None) -> None:
+    """plotter (default: this module's plot) to path, saying what became of it."""
+    drew = (plotter or plot)(result, path)
+    print(f"wrote {path}" if drew else "matplotlib not importable (pip install zipmoe[bench]): no plot")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,14 +2,17 @@
 
 Each call yields one dict per server response: `text_output` (the text delta when streaming,
 the whole answer otherwise), `input_token_count`, `output_token_count`, `finish_reason`.
+Images go as file bytes over gRPC and as base64 text in HTTP's JSON (the server decodes both).
 """
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import queue
 import urllib.error
 import urllib.request
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 
@@ -22,6 +25,10 @@ LIST_OUTPUTS = {name for name, spec in CLIENT_OUTPUTS.items() if spec.is_list}
 
 class ServerError(RuntimeError):
     """The server answered the request with an error."""
+
+
+class ServerUnavailable(ServerError):
+    """The server could not be reached, or the connection broke."""
 
 
 def _array(name: str, value) -> np.ndarray:
@@ -45,34 +52,45 @@ def _decode(outputs: dict) -> dict:
     return result
 
 
+def _grpc_tensors(inputs: dict) -> list:
+    from tritonclient.grpc import InferInput
+
+    tensors = []
+    for name, value in inputs.items():
+        arr = _array(name, value)
+        t = InferInput(name, list(arr.shape), CLIENT_INPUTS[name].dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    return tensors
+
+
+def _grpc_response(result, error) -> tuple[dict | None, bool]:
+    """One stream message -> (its outputs, or None for the empty final response; whether it is the
+    last). An error message from the server raises ServerError."""
+    if error is not None:
+        raise ServerError(str(error))
+    response = result.get_response()
+    final = response.parameters.get("triton_final_response")
+    outputs = _decode({o.name: result.as_numpy(o.name) for o in response.outputs}) if response.outputs else None
+    return outputs, final is not None and final.bool_param
+
+
 def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> Iterator[dict]:
     """Streams responses over gRPC (bidirectional stream; works for stream=True and False)."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
-    tensors = []
-    for name, value in inputs.items():
-        arr = _array(name, value)
-        t = grpcclient.InferInput(name, list(arr.shape), CLIENT_INPUTS[name].dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     finished = False
     try:
-        client.async_stream_infer(model, tensors, enable_empty_final_response=True)
-        while True:
+        client.async_stream_infer(model, _grpc_tensors(inputs), enable_empty_final_response=True)
+        while not finished:
             result, error = results.get(timeout=timeout)
-            if error is not None:
-                finished = True  # the server ended the request itself
-                raise ServerError(str(error))
-            response = result.get_response()
-            final = response.parameters.get("triton_final_response")
-            if response.outputs:
-                yield _decode({o.name: result.as_numpy(o.name) for o in response.outputs})
-            if final is not None and final.bool_param:
-                finished = True
-                return
+            finished = error is not None  # an error ends the request on the server's side
+            outputs, finished = _grpc_response(result, error)
+            if outputs is not None:
+                yield outputs
     finally:
         # Cancel only a request still running (the caller stopped reading): cancelling one that has
         # already finished can leave the ensemble's bookkeeping stuck at server shutdown (2.51).
@@ -80,11 +98,51 @@ def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs
         client.close()
 
 
+async def grpc_generate_async(client, model: str = "mm_qa", **inputs) -> AsyncIterator[dict]:
+    """grpc_generate on asyncio, over `client`, a tritonclient.grpc.aio.InferenceServerClient (one
+    channel for many requests). Closing the iteration early, or cancelling the task awaiting it,
+    cancels the gRPC stream, and with it the request on the server."""
+    import grpc
+
+    done = asyncio.Event()
+
+    async def request():
+        yield {"model_name": model, "inputs": _grpc_tensors(inputs),
+               "parameters": {"triton_enable_empty_final_response": True}}
+        await done.wait()  # keep the stream open until the last response: then it ends cleanly
+
+    stream = client.stream_infer(request())
+    finished = False  # the server ended the request: its last response, an error, or a broken stream
+    try:
+        while not finished:
+            try:
+                result, error = await stream.__anext__()
+            except grpc.aio.AioRpcError as e:  # no server, or the stream broke
+                finished = True
+                raise ServerUnavailable(f"Triton's gRPC stream failed: {e.code().name}: {e.details()}") from None
+            except StopAsyncIteration:
+                finished = True
+                raise ServerUnavailable("Triton closed the gRPC stream before the last response") from None
+            finished = error is not None
+            outputs, finished = _grpc_response(result, error)
+            if outputs is not None:
+                yield outputs
+    finally:
+        done.set()
+        if not finished:  # see grpc_generate: only a request still running
+            stream.cancel()
+
+
 def _http_body(inputs: dict) -> bytes:
     body = {}
     for name, value in inputs.items():
         arr = _array(name, value)
-        items = [v.decode("utf-8") for v in arr] if arr.dtype == np.object_ else arr.tolist()
+        if name == "images":  # JSON carries text: file bytes as base64
+            items = [base64.b64encode(v).decode("ascii") for v in arr]
+        elif arr.dtype == np.object_:
+            items = [v.decode("utf-8") for v in arr]
+        else:
+            items = arr.tolist()
         body[name] = items if name in LIST_INPUTS else items[0]
     return json.dumps(body).encode("utf-8")
 

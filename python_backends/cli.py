@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import serve
+from . import serve, serve_command
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_EXAMPLE = ("test", 35)  # notes_data split and index of the demo's question
@@ -45,8 +45,6 @@ def stream_answer(url: str, inputs: dict, protocol: str = "grpc", out=sys.stdout
     and client-side TTFT / TPOT."""
     from zipmoe.clients.triton_client import grpc_generate, http_generate_stream
 
-    if protocol == "http" and inputs.get("images"):
-        raise SystemExit("images need gRPC (Triton's HTTP generate endpoint takes text only)")
     gen = grpc_generate if protocol == "grpc" else http_generate_stream
     start = time.perf_counter()
     first = last = None
@@ -73,7 +71,7 @@ def cmd_ask(args) -> int:
 
     try:
         r = stream_answer(args.url, _inputs(args), "http" if args.http else "grpc")
-    except ServerError as e:
+    except (ServerError, OSError) as e:  # the server's answer; an image that cannot be read; no server
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"[{r.get('input_token_count')} prompt tokens, {r.get('output_token_count')} generated, "
@@ -137,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zipmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="start tritonserver on the model repository")
-    serve.add_arguments(p)
-    p.set_defaults(func=serve.run)
+    p = sub.add_parser("serve", help="serve the model repository (the trained checkpoints/notes unless --checkpoint) "
+                                    "with tritonserver; --openai-port adds the OpenAI-compatible API")
+    serve_command.add_arguments(p)
+    p.set_defaults(func=serve_command.run)
 
     p = sub.add_parser("ask", help="ask a running server a question, streaming the answer")
     p.add_argument("question")

@@ -1,4 +1,5 @@
-"""Launch tritonserver on the zipmoe model repository (`zipmoe serve`).
+"""Launch tritonserver on the zipmoe model repository (`TritonServer`; the `zipmoe serve` command
+line around it is `serve_command.py`).
 
 Works with three servers: one named by $TRITONSERVER or found on PATH, the NGC
 image's /opt/tritonserver, or the binary bundled in the nvidia-pytriton wheel.
@@ -11,7 +12,6 @@ PATH and ignores PYTHONPATH.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -350,53 +350,3 @@ class TritonServer:
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)
                 self._workdir = None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
-    parser.add_argument("--checkpoint", help="checkpoint directory for every model's checkpoint_path parameter")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
-                        help="dummy: random weights of the checkpoint's config.json shapes, made on the device "
-                             "(e.g. --checkpoint checkpoints/qwen3-vl-30b-a3b, a config-only directory)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    parser.add_argument("--log-file", type=Path, help="server log (default: this terminal)")
-    parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
-                        help="override a config.pbtxt parameter, e.g. moe_decoder.routing_policy=sere (repeatable)")
-
-
-def run(args: argparse.Namespace) -> int:
-    server = TritonServer(
-        args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, checkpoint=args.checkpoint, log_path=args.log_file, host=args.host,
-        overrides=load_format_overrides(args.load_format, parse_overrides(args.set)),
-    )
-    signalled = []
-
-    def forward(signum, _frame):
-        signalled.append(signum)
-        server.send_signal(signum)
-
-    with server:
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            try:
-                models = server.wait_ready()
-            except (RuntimeError, TimeoutError) as e:
-                if signalled:  # we were asked to stop while loading
-                    return server.stop()
-                print(f"zipmoe: {e}", file=sys.stderr)
-                return 1
-            h = server.host
-            print(
-                f"zipmoe: ready — http {h}:{server.http_port}  grpc {h}:{server.grpc_port}  "
-                f"metrics {h}:{server.metrics_port}  models: {', '.join(models)}",
-                flush=True,
-            )
-            server.process.wait()
-            return server.stop()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)

@@ -10,7 +10,8 @@ import torch
 
 from zipmoe.detokenize import TokenBytes, window_text
 from zipmoe.engine.engine import EngineConfig, LLMEngine, RequestError
-from zipmoe.serving.decoder import COUNTERS, GAUGES, DecodeRequest, DecoderConfig, DecoderService, VisualTokens
+from zipmoe.serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecoderConfig, DecoderService,
+                                    VisualTokens)
 from zipmoe.serving.errors import BadInput
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -44,10 +45,10 @@ class Sink:
 def service(tiny_checkpoint):
     engine = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
                                                      max_num_batched_tokens=512))
-    published = []
+    published, observed = [], []
     svc = DecoderService(engine, TokenBytes.from_tokenizer_json(tiny_checkpoint), DecoderConfig(default_max_tokens=5),
-                         publish=published.append)
-    svc.published = published
+                         publish=published.append, observe=lambda name, value: observed.append((name, value)))
+    svc.published, svc.observed = published, observed
     yield svc
     svc.shutdown()
 
@@ -131,3 +132,24 @@ def test_shutdown_answers_whoever_waits(tiny_checkpoint):
     svc.shutdown()
     assert sink.done.is_set()
     assert sink.errors == ["the server is shutting down"] or sink.finals == 1
+
+
+def test_each_finished_request_is_observed_once_per_histogram(service):
+    run(service, {"max_tokens": 4, "ignore_eos": True, "stream": True})
+    run(service, {"max_tokens": 1, "ignore_eos": True})  # one token: no gap between tokens to observe
+    names = [name for name, _ in service.observed]
+    assert sorted(names) == ["itl_s", "ttft_s", "ttft_s"] and set(names) == set(HISTOGRAMS)
+    assert all(value > 0 for _, value in service.observed)
+
+
+def test_visual_tokens_before_and_after_visionzip_are_counted(service):
+    text = service.engine.text
+    width, layers = text.hidden_size, text.deepstack_layers
+    kept, grid = 3, (2, 4)  # 3 of an image's 8 merged tokens
+    visual = VisualTokens(torch.zeros(kept, width), torch.zeros(layers, kept, width),
+                          torch.tensor([[0, 0], [0, 3], [1, 2]], dtype=torch.int32),
+                          torch.tensor([grid], dtype=torch.int32), torch.tensor([kept], dtype=torch.int32))
+    run(service, {"max_tokens": 2, "ignore_eos": True}, ids=[1, text.image_token_id, 2], visual=visual)
+    run(service, {"max_tokens": 2, "ignore_eos": True})  # text only: counts nothing
+    stats = service.published[-1]
+    assert (stats["visual_tokens"], stats["visual_tokens_kept"]) == (8, 3)

@@ -1,12 +1,17 @@
-"""Images through the mm_qa ensemble: decode -> vision + VisionZip -> decoder, on a real server."""
+"""Images through the mm_qa ensemble: decode -> vision + VisionZip -> decoder, on a real server; over gRPC
+(file bytes) and over HTTP generate (base64 text, data URLs)."""
 from __future__ import annotations
 
+import base64
 import io
+import json
+import urllib.error
+import urllib.request
 
 import pytest
 from PIL import Image, ImageDraw
 
-from zipmoe.clients.triton_client import ServerError, grpc_generate
+from zipmoe.clients.triton_client import ServerError, grpc_generate, http_generate, http_generate_stream
 
 pytestmark = pytest.mark.integration
 
@@ -75,3 +80,33 @@ def test_a_prompt_longer_than_the_context_names_both_numbers(zipmoe_server, mode
                                           r"the context holds max_model_len 4096"):
         answer(zipmoe_server, images, keep=1.0, model=model)
     assert answer(zipmoe_server, [note(3)], model=model)[1]["output_token_count"] == 12
+
+
+def _post(server, model: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://{server.url_http}/v2/models/{model}/generate", json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, **json.loads(e.read())}
+
+
+@pytest.mark.parametrize("model", ["mm_qa", "mm_qa_bls"])
+def test_images_over_http_generate_answer_as_over_grpc(zipmoe_server, model):
+    images = [note(0), note(1), note(2)]
+    text, ref = answer(zipmoe_server, images, model=model)
+    options = dict(text_input="What do these notes say?", max_tokens=12, ignore_eos=True, images=images)
+    assert http_generate(zipmoe_server.url_http, model=model, **options)["text_output"] == text
+    sse = list(http_generate_stream(zipmoe_server.url_http, model=model, **options))
+    assert "".join(r["text_output"] for r in sse) == text and sse[-1]["visual_tokens_kept"] == ref["visual_tokens_kept"]
+    # A JSON body written by hand: a data URL, plain base64, and base64 wrapped as `base64` prints it.
+    body = {**options, "images": ["data:image/png;base64," + base64.b64encode(images[0]).decode(),
+                                  base64.b64encode(images[1]).decode(), base64.encodebytes(images[2]).decode()]}
+    assert _post(zipmoe_server, model, body)["text_output"] == text
+
+
+@pytest.mark.parametrize("model", ["mm_qa", "mm_qa_bls"])
+def test_broken_base64_over_http_is_a_400_naming_the_image(zipmoe_server, model):
+    body = {"text_input": "What?", "images": [base64.b64encode(note(0)).decode(), "aGVsbG8gd"]}
+    out = _post(zipmoe_server, model, body)
+    assert out["status"] == 400 and "image 1: not valid base64" in out["error"]

@@ -237,7 +237,7 @@ def test_stop_leaves_no_process(tmp_path):
 def test_run_stops_cleanly_on_sigint(tmp_path):
     ports = _ports()
     code = (
-        "import argparse, sys; from zipmoe.serve import add_arguments, run; "
+        "import argparse, sys; from zipmoe.serve_command import add_arguments, run; "
         "p = argparse.ArgumentParser(); add_arguments(p); sys.exit(run(p.parse_args(sys.argv[1:])))"
     )
     args = [

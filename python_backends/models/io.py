@@ -34,7 +34,8 @@ def resolve_checkpoint(args: dict, raw: str) -> Path:
         repo_root = Path(args["model_repository"]).resolve().parent
         path = repo_root.parent / path
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"checkpoint_path {path} has no config.json (build it: make checkpoint)")
+        raise FileNotFoundError(f"checkpoint_path {path} has no config.json: it must be a Hugging Face checkpoint "
+                                f"directory (checkpoints/notes is committed; make checkpoint builds checkpoints/tiny)")
     return path
 
 
@@ -100,9 +101,13 @@ class Metrics:
         self._model = model
         self._families = []
 
-    def _metric(self, kind, name: str, description: str) -> SyncedMetric:
+    def _family(self, kind, name: str, description: str):
         family = self._pb.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
+        return family
+
+    def _metric(self, kind, name: str, description: str) -> SyncedMetric:
+        family = self._family(kind, name, description)
         return SyncedMetric(family.Metric(labels={"model": self._model}), kind == self._pb.MetricFamily.COUNTER)
 
     def counter(self, name: str, description: str) -> SyncedMetric:
@@ -110,6 +115,12 @@ class Metrics:
 
     def gauge(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.GAUGE, name, description)
+
+    def histogram(self, name: str, description: str, buckets):
+        """A histogram (Triton 2.51's Python backend has them); observe(value) on the returned metric
+        is one round trip to the server."""
+        family = self._family(self._pb.MetricFamily.HISTOGRAM, name, description)
+        return family.Metric(labels={"model": self._model}, buckets=list(buckets))
 
 
 def as_triton(pb_utils, name: str, value):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..image_input import decode_images
 from ..serving.errors import BadInput, ModelError
 from ..serving.interface import DECODER_OPTIONS
 from ..serving.pipeline import CACHE_GAUGES, CACHE_METRICS, QAPipeline, QARequest, split_features
@@ -148,8 +149,9 @@ class TritonPythonModel:
             try:
                 ratio = scalar(pb_utils, request, "visual_keep_ratio", None, float)
                 given = {name: get_input(pb_utils, request, name) for name in DECODER_OPTIONS}
-                qa = QARequest(scalar(pb_utils, request, "text_input", "", str), strings(pb_utils, request, "images"),
-                               ratio, {k: v for k, v in given.items() if v is not None})
+                images = decode_images(strings(pb_utils, request, "images"))  # base64 over HTTP -> file bytes
+                qa = QARequest(scalar(pb_utils, request, "text_input", "", str), images, ratio,
+                               {k: v for k, v in given.items() if v is not None})
                 self.pipeline.submit(qa, sink)
             except (BadInput, UnicodeDecodeError) as e:
                 sink.close(f"mm_qa_bls: {e}")

@@ -12,7 +12,8 @@ import triton_python_backend_utils as pb_utils
 
 from ..detokenize import TokenBytes
 from ..engine.engine import LLMEngine, RequestError
-from ..serving.decoder import COUNTERS, GAUGES, DecodeRequest, DecodeResponse, DecoderService, VisualTokens
+from ..serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecodeResponse, DecoderService,
+                               VisualTokens)
 from ..serving.errors import BadInput
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
 from .io import Metrics, as_torch, error_response, load_settings, read_options, resolve_checkpoint
@@ -75,9 +76,11 @@ class TritonPythonModel:
         self._metric_families = families = Metrics(pb_utils, "moe_decoder")
         self.metrics = {**{k: families.counter(*v) for k, v in COUNTERS.items()},
                         **{k: families.gauge(*v) for k, v in GAUGES.items()}}
+        self.histograms = {k: families.histogram(*v) for k, v in HISTOGRAMS.items()}
         self.device = engine.device
         self.service = DecoderService(engine, TokenBytes.from_tokenizer_json(checkpoint), service_config,
-                                      publish=self._publish, log_error=pb_utils.Logger.log_error)
+                                      publish=self._publish, log_error=pb_utils.Logger.log_error,
+                                      observe=lambda name, value: self.histograms[name].observe(value))
 
     def _publish(self, stats: dict[str, int]) -> None:
         for name, metric in self.metrics.items():

@@ -1,9 +1,13 @@
-"""`preprocess`: question (+ images) -> prompt token ids through the checkpoint's chat template."""
+"""`preprocess`: question (+ images) -> prompt token ids through the checkpoint's chat template.
+
+The images come as the client sent them (file bytes over gRPC, base64 text over HTTP generate) and
+go on to image_decode as file bytes (`image_input.decode_images`)."""
 from __future__ import annotations
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..image_input import decode_images
 from ..prompt import ChatPrompt
 from ..serving.errors import BadInput
 from .io import error_response, load_settings, resolve_checkpoint, scalar, strings
@@ -22,7 +26,7 @@ class TritonPythonModel:
             question = scalar(pb_utils, request, "text_input", "", str)
             if not question.strip():
                 raise BadInput("text_input is empty: ask a question")
-            images = strings(pb_utils, request, "images")
+            images = decode_images(strings(pb_utils, request, "images"))
             ids = self.prompt.encode(question, len(images))
         except (BadInput, UnicodeDecodeError) as e:
             return error_response(pb_utils, f"preprocess: {e}")

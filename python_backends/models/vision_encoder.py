@@ -12,7 +12,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..engine.engine import DTYPES
-from ..serving.errors import BadInput
+from ..serving.errors import BadInput, internal_error
 from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
 from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
@@ -76,7 +76,7 @@ class TritonPythonModel:
                 feats = self.encoder.features([im for _, images, _ in jobs for im in images])
             except Exception as e:  # one bad batch must not take the model down
                 for i, _, _ in jobs:
-                    responses[i] = error_response(pb_utils, f"vision_encoder failed: {e!r}")
+                    responses[i] = error_response(pb_utils, internal_error("vision_encoder", e))
                 return responses
             forward_s = time.perf_counter()
             start = 0

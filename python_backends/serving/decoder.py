@@ -26,7 +26,7 @@ from ..engine.engine import LLMEngine
 from ..engine.multimodal import VisualInputs, splice_images
 from ..engine.sequence import SamplingParams, Sequence
 from ..settings import setting
-from .errors import BadInput
+from .errors import SHUTTING_DOWN, BadInput, internal_error
 
 METRICS_PERIOD_S = 0.1
 
@@ -44,6 +44,9 @@ COUNTERS = {
     "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
     "union_after": ("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
     "rerouted_slots": ("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
+    # VisionZip, whichever path compressed (mm_qa's vision_encoder or mm_qa_bls): kept / before.
+    "visual_tokens": ("zipmoe_visual_tokens_total", "Merged visual tokens of the requests' images, before VisionZip"),
+    "visual_tokens_kept": ("zipmoe_visual_tokens_kept_total", "Visual tokens kept by VisionZip and prefilled"),
 }
 GAUGES = {
     "kv_blocks_free": ("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
@@ -51,6 +54,16 @@ GAUGES = {
     "kv_capacity_tokens": ("zipmoe_kv_capacity_tokens", "Tokens the KV cache holds (sized at load)"),
     "running": ("zipmoe_running_requests", "Sequences in the decode batch"),
     "waiting": ("zipmoe_waiting_requests", "Sequences waiting for admission"),
+}
+# observe() name -> (Prometheus histogram, help, bucket upper bounds in seconds); one observation per
+# finished request (an observation is a round trip to the server, too dear per token). The inter-token
+# latency is the request's mean, (last token - first token) / (tokens - 1), as genai-perf and AIPerf
+# define it per request.
+HISTOGRAMS = {
+    "ttft_s": ("zipmoe_ttft_seconds", "Time to first token per request (arrival at moe_decoder to first token)",
+               (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
+    "itl_s": ("zipmoe_inter_token_latency_seconds", "Mean time between a request's tokens after the first",
+              (0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)),
 }
 
 
@@ -106,6 +119,7 @@ class Pending:
     arrival: float
     visual: VisualInputs | None
     tokens_kept: np.ndarray
+    tokens_before: int  # the images' merged visual tokens before VisionZip
     opt_out: bool  # the client sent sere=false: this request keeps its top-K experts
     seq: Sequence | None = None  # set when the engine thread admits the request
 
@@ -121,19 +135,22 @@ def sampling_params(options: dict, default_max_tokens: int) -> SamplingParams:
 
 class DecoderService:
     def __init__(self, engine: LLMEngine, token_bytes: TokenBytes, config: DecoderConfig = DecoderConfig(),
-                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print):
+                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print,
+                 observe: Callable[[str, float], None] | None = None):
         """publish(stats()) is called from the engine thread, at most every METRICS_PERIOD_S while
-        it works and whenever a request ends."""
+        it works and whenever a request ends; observe(HISTOGRAMS name, seconds) once per finished
+        request and histogram."""
         self.engine = engine
         self.token_bytes = token_bytes
         self.config = config
-        self._publish, self._log_error = publish, log_error
+        self._publish, self._log_error, self._observe = publish, log_error, observe
         self._inbox: queue.Queue[Pending] = queue.Queue()
         self._live: dict[int, Pending] = {}
         self._stop = threading.Event()
         self._published_at = 0.0
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "ttft_us", "decode_us",
-                                     "decode_tokens", "prompt_tokens"), 0)
+                                     "decode_tokens", "prompt_tokens", "visual_tokens",
+                                     "visual_tokens_kept"), 0)
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
         self._thread.start()
 
@@ -142,17 +159,19 @@ class DecoderService:
     def submit(self, request: DecodeRequest, sink: ResponseSink) -> None:
         """Checks and queues a request; a bad one raises BadInput or engine.RequestError (nothing queued)."""
         params = sampling_params(request.options, self.config.default_max_tokens)
-        ids, visual, kept = self._splice(request)
+        ids, visual, kept, before = self._splice(request)
         self.engine.check_request(ids, params, visual)
         opt_out = not request.options.get("sere", True)
         self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
-                                TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, opt_out))
+                                TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, before,
+                                opt_out))
 
-    def _splice(self, request: DecodeRequest) -> tuple[list[int], VisualInputs | None, np.ndarray]:
-        """Expands each image placeholder to the tokens the vision encoder kept (none for text-only)."""
+    def _splice(self, request: DecodeRequest) -> tuple[list[int], VisualInputs | None, np.ndarray, int]:
+        """Expands each image placeholder to the tokens the vision encoder kept (none for text-only);
+        also returns the kept tokens per image and the images' tokens before VisionZip."""
         v = request.visual
         if v is None or v.kept.numel() == 0:
-            return request.input_ids, None, np.zeros(0, np.int32)
+            return request.input_ids, None, np.zeros(0, np.int32), 0
         kept = v.kept.reshape(-1).int()
         width, total, images = self.engine.text.hidden_size, int(kept.sum()), kept.numel()
         # Everything must describe the same kept tokens: a request that does not is refused here, not
@@ -171,7 +190,8 @@ class DecoderService:
                                             v.positions, grids)
         except ValueError as e:
             raise BadInput(str(e)) from None
-        return ids, VisualInputs(v.embeds, v.deepstack, pos, delta), kept.numpy()
+        before = sum(rows * cols for rows, cols in grids)
+        return ids, VisualInputs(v.embeds, v.deepstack, pos, delta), kept.numpy(), before
 
     def stats(self) -> dict[str, int]:
         """Counters (only grow) and gauges of the service, the engine's KV cache and its routing."""
@@ -182,7 +202,7 @@ class DecoderService:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 **self.engine.routing_stats.snapshot()}
 
-    def shutdown(self, message: str = "the server is shutting down") -> None:
+    def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final
         error: a request left open keeps the server's shutdown waiting for it."""
         self._stop.set()
@@ -206,7 +226,7 @@ class DecoderService:
             except Exception as e:  # a bug must not hang clients or kill the thread: fail what is in flight
                 self._log_error(f"moe_decoder engine step failed: {e!r}")
                 for p in list(self._live.values()):
-                    self._fail(p, f"engine step failed: {e!r}")
+                    self._fail(p, internal_error("moe_decoder engine step", e))
 
     def _iterate(self):
         self._admit(block=not self.engine.has_work)
@@ -263,19 +283,25 @@ class DecoderService:
                                   len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept)
         if seq.finished:
             del self._live[seq.seq_id]
-            self._record(seq)
+            self._record(p)
             # Publish before the last response: a client that has it then finds its work in the metrics.
             self._maybe_publish(force=True)
         self._send(p, response, final=seq.finished)
 
-    def _record(self, seq: Sequence):
-        now = time.monotonic()
-        c = self.counts
+    def _record(self, p: Pending):
+        seq, now, c = p.seq, time.monotonic(), self.counts
+        ttft_s, decode_s, gaps = seq.first_token_time - seq.arrival, now - seq.first_token_time, len(seq.output_ids) - 1
         c["requests_completed"] += 1
         c["prompt_tokens"] += len(seq.prompt_ids)
-        c["ttft_us"] += int((seq.first_token_time - seq.arrival) * 1e6)
-        c["decode_us"] += int((now - seq.first_token_time) * 1e6)
-        c["decode_tokens"] += len(seq.output_ids) - 1
+        c["ttft_us"] += int(ttft_s * 1e6)
+        c["decode_us"] += int(decode_s * 1e6)
+        c["decode_tokens"] += gaps
+        c["visual_tokens"] += p.tokens_before
+        c["visual_tokens_kept"] += int(p.tokens_kept.sum())
+        if self._observe is not None:
+            self._observe("ttft_s", ttft_s)
+            if gaps:
+                self._observe("itl_s", decode_s / gaps)
 
     def _fail(self, p: Pending, message: str):
         self.engine.abort(p.seq)

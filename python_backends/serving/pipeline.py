@@ -29,7 +29,7 @@ import torch
 from ..embedding_cache import EmbeddingCache, content_key
 from ..settings import setting
 from ..visionzip import ImageFeatures, VisionZipConfig, compress, decoder_inputs
-from .errors import BadInput, ModelError
+from .errors import SHUTTING_DOWN, BadInput, ModelError, internal_error
 
 # moe_decoder outputs that go to the client as they are (text_output comes from postprocess).
 RELAYED = ("input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept")
@@ -199,7 +199,7 @@ class QAPipeline:
             error = str(e)
         except Exception as e:  # a bug must not leave the client waiting
             self._log_error(f"mm_qa_bls: request failed: {e!r}")
-            error = f"mm_qa_bls failed: {e!r}"
+            error = internal_error("mm_qa_bls", e)
         sink.close(error)
 
     def _answer(self, request: QARequest, sink: ClientSink) -> None:
@@ -246,7 +246,7 @@ class QAPipeline:
     def cache_stats(self) -> dict[str, int]:
         return {name: getattr(self.cache, name) for name in CACHE_METRICS}
 
-    def shutdown(self, message: str = "the server is shutting down") -> None:
+    def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         # Requests still queued were cancelled above: each still needs its final response, or the
         # server's shutdown waits for it.
