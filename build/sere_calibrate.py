@@ -29,8 +29,9 @@ from PIL import Image
 from tqdm import tqdm
 
 from zipmoe.build.demo_images import plain_png, receipt_png
-from zipmoe.checkpoint import LOAD_FORMATS, TextConfig
-from zipmoe.engine.engine import DTYPES, EngineConfig, LLMEngine
+from zipmoe.checkpoint import TextConfig
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.settings import DTYPE_NAMES, LOAD_FORMATS, dtypes
 from zipmoe.engine.multimodal import VisualInputs, splice_images
 from zipmoe.engine.routing import route_topk
 from zipmoe.engine.sequence import SamplingParams
@@ -120,7 +121,7 @@ def calibration_requests(checkpoint: Path, texts: list[str], device: str, dtype:
     """(prompt ids, visual inputs) of the image-text prompts, then of `texts`, all chat-templated."""
     chat = ChatPrompt(checkpoint)
     image_token = TextConfig.from_dir(checkpoint).image_token_id
-    encoder = VisionEncoder(checkpoint, torch.device(device), DTYPES[dtype], load_format=load_format)
+    encoder = VisionEncoder(checkpoint, torch.device(device), dtypes()[dtype], load_format=load_format)
     names = list(IMAGES)
     features = dict(zip(names, encoder.features([_pixels(IMAGES[n](), checkpoint) for n in names])))
     requests = []
@@ -243,8 +244,8 @@ def calibrate(checkpoint: str | Path, out: str | Path | None = None, method: str
     out = checkpoint / SERE_FILE if out is None else Path(out)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not one of {sorted(DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} not one of {DTYPE_NAMES}")
     text = TextConfig.from_dir(checkpoint)
     E, H = text.num_experts, text.hidden_size
     layers = [i for i, moe in enumerate(text.moe_layers) if moe]
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
                    help='extra calibration prompts, one {"text": "..."} per line')
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="default: cuda when available")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="default: bfloat16 on a GPU (a 30B checkpoint fits one), float32 on the CPU")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"calibration tokens at most (default: {DEFAULT_MAX_TOKENS})")

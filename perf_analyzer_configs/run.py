@@ -43,6 +43,7 @@ from zipmoe import serve
 from zipmoe.clients.bench_serving import add_server_arguments, device_info
 from zipmoe.clients.eval_quality import display_path, resolve_checkpoint, routing_effect
 from zipmoe.clients.triton_client import scrape_metrics
+from zipmoe.settings import LOAD_FORMATS
 
 MODELS = ("mm_qa", "mm_qa_bls")
 SWEEP = (1, 4, 16, 64)
@@ -181,7 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m perf_analyzer_configs.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_arguments(p)
-    p.add_argument("--load-format", choices=("auto", "dummy"), help="both models' load_format (as zipmoe serve)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, help="both models' load_format (as zipmoe serve)")
     p.add_argument("--model", default="mm_qa", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--workload", default="business", help="comma list of workloads or input-data .json files")
     p.add_argument("--inputs", choices=sorted(make_inputs.PROFILES), default="ci",

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from .settings import LOAD_FORMATS
+
 TEXT_PREFIX = "model.language_model."
-LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .serve import DEFAULT_REPOSITORY, TritonServer, load_format_overrides, parse_overrides
+from .settings import LOAD_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--checkpoint", help="checkpoint directory for every model's checkpoint_path parameter "
                                              "(default: the configs' checkpoints/notes, the trained model)")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
                         help="dummy: random weights of the checkpoint's config.json shapes, made on the device "
                              "(e.g. --checkpoint checkpoints/qwen3-vl-30b-a3b, a config-only directory)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")

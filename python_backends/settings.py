@@ -8,6 +8,7 @@ ones. Fields are declared with `setting(...)`; the dataclass's default is the on
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -29,7 +30,10 @@ def _parse_value(kind: type, text: str):
         if text.lower() not in ("true", "false"):
             raise ValueError("must be true or false")
         return text.lower() == "true"
-    return kind(text)
+    value = kind(text)
+    if kind is float and not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
 
 
 def _check(field: dataclasses.Field, value) -> None:
@@ -63,6 +67,8 @@ def parse_parameters(params: dict[str, str], *classes, model: str = "model") -> 
     declared = {}
     for cls in classes:
         for name, spec in settings_of(cls).items():
+            if name in declared:  # one parameter must mean one setting
+                raise TypeError(f"{name} is declared by both {declared[name][0].__name__} and {cls.__name__}")
             declared[name] = (cls, *spec)
     unknown = sorted(set(params) - set(declared) - BACKEND_PARAMETERS)
     if unknown:
@@ -92,14 +98,36 @@ class CheckpointConfig:
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+LOAD_FORMATS = ("auto", "dummy")
 
 
-def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
-    """auto = cuda + bfloat16 when a GPU is visible, else cpu + float32."""
+def dtypes() -> dict:
+    """DTYPE_NAMES -> torch dtypes."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+# Settings of both models that run on a device (moe_decoder's EngineConfig, vision_encoder's config).
+def device_setting():
+    return setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
+
+
+def dtype_setting():
+    return setting("auto", "weights and activations; auto = bfloat16 on cuda, float32 on cpu", choices=DTYPE_CHOICES)
+
+
+def load_format_setting():
+    return setting("auto", "auto: the checkpoint's safetensors; dummy: deterministic random weights of "
+                           "config.json's shapes, made on the device (benchmarks)", choices=LOAD_FORMATS)
+
+
+def resolve_device_dtype(device: str, dtype: str):
+    """(torch.device, torch.dtype); auto = cuda + bfloat16 when a GPU is visible, else cpu + float32."""
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
+    return torch.device(device), dtypes()[dtype]

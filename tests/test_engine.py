@@ -131,3 +131,31 @@ def test_bad_requests_are_refused(tiny_checkpoint, prompt, params, message):
     with pytest.raises(RequestError, match=message):
         eng.add_request(prompt, params)
     assert not eng.has_work
+
+
+def test_preempted_sequences_wait_until_they_fit():
+    """The newest sequence is preempted when the oldest needs a block; it is not re-admitted in that
+    pass, nor later while its blocks are not free again (no recompute step after step)."""
+    from zipmoe.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=8)
+    old, new = Sequence(0, [1] * 27, greedy(40)), Sequence(1, [2] * 10, greedy(40))
+    sched.add(old)
+
+    def step():
+        batch = sched.schedule()
+        for seq, n in batch:
+            seq.num_cached += n
+            if seq.num_cached == len(seq):
+                seq.output_ids.append(5)
+        return batch
+
+    while not old.output_ids:  # its prompt, chunk by chunk: 7 of the 10 blocks
+        step()
+    sched.add(new)
+    assert step() == [(old, 1), (new, 7)]  # new fits to its end in the 3 free blocks
+    batches = [step() for _ in range(12)]
+    assert sched.num_preemptions == 1 and list(sched.waiting) == [new] and new.block_table == []
+    first = next(i for i, b in enumerate(batches) if b == [(old, 1)])
+    assert all(b == [(old, 1)] for b in batches[first:])  # from the preemption on: old alone

@@ -135,3 +135,15 @@ def test_dummy_experts_come_in_groups_that_calibrate_as_alike(tiny_checkpoint, t
     across = group[:, None] != group[None, :]
     within, between = sim[:, same].mean().item(), sim[:, across].mean().item()
     assert within > 0.5 > between  # SERE at rho 0.5 moves a slot inside its group, never across
+
+
+@pytest.mark.parametrize("tokens, context", [(40, 16), (15, 16), (8, 64)])
+def test_the_worst_case_step_runs_chunks_that_end_long_contexts(tiny_checkpoint, tokens, context):
+    """What memory planning measures on a GPU, run on the CPU: every token in a chunk that starts
+    after its sequence's first token (the lower-right causal path), finite logits for the rows asked."""
+    eng = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", num_kv_blocks=32, max_model_len=128))
+    ids, step, kv, rows = memory.worst_case_inputs(eng.model, eng.text, tokens, context, 4, 16, 2)
+    assert sum(c.rows.stop - c.rows.start for c in step.chunks) == tokens == ids.shape[0]
+    assert all(c.start >= 1 and c.context_slots.numel() == context for c in step.chunks)
+    logits = eng.model.forward(ids, step, kv, rows).logits
+    assert logits.shape == (min(4, tokens), eng.text.vocab_size) and torch.isfinite(logits).all()

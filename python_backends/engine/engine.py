@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import LOAD_FORMATS, TEXT_PREFIX, TextConfig, open_weights
-from ..settings import DTYPE_CHOICES, DTYPE_NAMES, check_fields, resolve_device_dtype, setting
+from ..checkpoint import TEXT_PREFIX, TextConfig, open_weights
+from ..settings import (check_fields, device_setting, dtype_setting, load_format_setting, resolve_device_dtype,
+                        setting)
 from . import memory
 from .kv_cache import BlockManager, KVCache
 from .memory import CPU_KV_BLOCKS, OutOfMemory
@@ -21,17 +22,12 @@ from .sampler import make_generator
 from .scheduler import Scheduler
 from .sequence import FinishReason, SamplingParams, Sequence
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's settings; each is also a parameter of moe_decoder/config.pbtxt (`settings.py`)."""
-    device: str = setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
-    dtype: str = setting("auto", "weights and activations; auto = bfloat16 on cuda, float32 on cpu",
-                         choices=DTYPE_CHOICES)
-    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: deterministic random weights of "
-                                       "config.json's shapes, made on the device (benchmarks)", choices=LOAD_FORMATS)
+    device: str = device_setting()
+    dtype: str = dtype_setting()
+    load_format: str = load_format_setting()
     block_size: int = setting(16, "tokens per paged KV-cache block", min=1)
     num_kv_blocks: int = setting(0, "KV-cache blocks; 0: as many as gpu_memory_utilization leaves after the weights "
                                     f"and a worst-case step ({CPU_KV_BLOCKS} on a CPU)", min=0)
@@ -74,8 +70,7 @@ class LLMEngine:
         self.config = config
         self.text = text or TextConfig.from_dir(checkpoint)
         config.validate(self.text)
-        device, dtype = resolve_device_dtype(config.device, config.dtype)
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         store = store or open_weights(checkpoint, config.load_format, self.device)
         policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, self.device,
                                        sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,
@@ -105,8 +100,8 @@ class LLMEngine:
         need = -(-cfg.max_model_len // cfg.block_size)
         if self.device.type != "cuda":
             return max(CPU_KV_BLOCKS, need)
-        mem = memory.plan(self.model, self.text, cfg.gpu_memory_utilization, min(cfg.max_num_batched_tokens,
-                          cfg.max_model_len), cfg.max_model_len, cfg.block_size, self.text.deepstack_layers)
+        mem = memory.plan(self.model, self.text, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
+                          cfg.max_model_len, cfg.max_num_seqs, cfg.block_size, self.text.deepstack_layers)
         blocks = mem.num_blocks(memory.block_bytes(self.text, cfg.block_size, self.dtype))
         print(f"KV cache: {mem.describe()} = {blocks} blocks, {blocks * cfg.block_size} tokens", flush=True)
         if blocks < need:
@@ -188,6 +183,8 @@ class LLMEngine:
         results = self.runner.run(batch)
         for seq, n in batch:
             seq.num_cached += n
+            if seq.visual is not None and seq.num_cached >= len(seq.prompt_ids):
+                seq.visual.offload()
         now = time.monotonic()
         for seq, tok in results:
             seq.output_ids.append(tok)

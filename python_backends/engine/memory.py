@@ -1,8 +1,9 @@
 """How many KV-cache blocks fit: `gpu_memory_utilization` of the GPU, less the weights and a worst-case step.
 
-After the weights are on the GPU, the engine runs the largest step it will ever run (one chunk of
-`max_num_batched_tokens` prompt tokens, all of them image tokens with DeepStack features, attending
-to a context of `max_model_len`) against a throw-away cache, and measures the activations' peak.
+After the weights are on the GPU, the engine runs the largest step it will ever run
+(`max_num_batched_tokens` prompt tokens, all of them image tokens with DeepStack features, in
+chunks that each end a `max_model_len` context, and `max_num_seqs` rows of logits) against a
+throw-away cache, and measures the activations' peak.
 The KV cache then gets what is left of `gpu_memory_utilization` x the GPU's memory, and never more
 than is free right now (other models' processes — vision_encoder, image_decode, Triton's CUDA pool —
 share the GPU and keep the rest), less a fixed reserve for the CUDA graphs, the CUDA context and
@@ -54,36 +55,52 @@ class MemoryPlan:
                 f"free {self.free / gib:.1f} GiB -> KV cache {max(self.kv_bytes(), 0) / gib:.1f} GiB")
 
 
-def worst_case_step(model, text: TextConfig, tokens: int, context: int, block_size: int,
-                    deepstack_layers: int) -> int:
-    """Peak bytes allocated above what was allocated before, in the largest step: `tokens` image tokens at the end of a `context`-token sequence."""
+def worst_case_inputs(model, text: TextConfig, tokens: int, context: int, logit_rows: int, block_size: int,
+                      deepstack_layers: int):
+    """(ids, step, kv, rows) of the largest step: `tokens` image tokens with DeepStack features, in
+    chunks that each end a `context`-token sequence and start after its first token (so they take
+    the lower-right causal path, which widens K/V to every head), and `logit_rows` rows sampled."""
     from .model import Chunk, StepInputs
 
     device, dtype = model.device, model.dtype
-    kv = KVCache(text.num_layers, -(-context // block_size), block_size, text.num_kv_heads, text.head_dim,
-                 dtype, device)
-    start = context - tokens
-    rows = torch.arange(tokens, device=device)
-    positions = torch.arange(start, context, device=device).expand(3, -1)
-    step = StepInputs(positions=positions, slots=start + rows, is_prefill=True,
-                      chunks=[Chunk(slice(0, tokens), torch.arange(context, device=device), start)],
-                      visual_rows=rows, visual_embeds=torch.zeros(tokens, text.hidden_size, dtype=dtype, device=device),
+    sizes = [min(context - 1, tokens - done) for done in range(0, tokens, context - 1)]
+    blocks = -(-context // block_size)
+    kv = KVCache(text.num_layers, blocks * len(sizes), block_size, text.num_kv_heads, text.head_dim, dtype, device)
+    chunks, slots, positions, row = [], [], [], 0
+    for j, n in enumerate(sizes):
+        base, start = j * blocks * block_size, context - n  # sequence j's slots, and where its chunk starts
+        chunks.append(Chunk(slice(row, row + n), torch.arange(base, base + context, device=device), start))
+        slots.append(torch.arange(base + start, base + context, device=device))
+        positions.append(torch.arange(start, context, device=device))
+        row += n
+    everything = torch.arange(tokens, device=device)
+    step = StepInputs(positions=torch.cat(positions).expand(3, -1), slots=torch.cat(slots), is_prefill=True,
+                      chunks=chunks, visual_rows=everything,
+                      visual_embeds=torch.zeros(tokens, text.hidden_size, dtype=dtype, device=device),
                       deepstack=(torch.zeros(deepstack_layers, tokens, text.hidden_size, dtype=dtype, device=device)
                                  if deepstack_layers else None))
+    return torch.zeros(tokens, dtype=torch.long, device=device), step, kv, everything[-min(logit_rows, tokens):]
+
+
+def worst_case_step(model, *inputs) -> int:
+    """Peak bytes allocated during the worst-case step, above what was allocated before it (its
+    throw-away cache included in the latter)."""
+    ids, step, kv, rows = worst_case_inputs(model, *inputs)
+    device = model.device
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    model.forward(torch.zeros(tokens, dtype=torch.long, device=device), step, kv, rows[-1:])
+    model.forward(ids, step, kv, rows)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def plan(model, text: TextConfig, utilization: float, tokens: int, context: int, block_size: int,
+def plan(model, text: TextConfig, utilization: float, tokens: int, context: int, logit_rows: int, block_size: int,
          deepstack_layers: int) -> MemoryPlan:
     device = model.device
     weights = torch.cuda.memory_allocated(device)
     try:
-        activations = worst_case_step(model, text, tokens, context, block_size, deepstack_layers)
+        activations = worst_case_step(model, text, tokens, context, logit_rows, block_size, deepstack_layers)
     except torch.OutOfMemoryError:
         raise OutOfMemory(f"out of GPU memory in a step of max_num_batched_tokens {tokens} tokens over a context of "
                           f"max_model_len {context} (weights {weights / 2**30:.1f} GiB): lower max_num_batched_tokens "

@@ -1,9 +1,10 @@
 """Qwen3-VL-MoE text decoder over a paged KV cache.
 
-Tokens of all sequences in a step are packed along one axis [T, hidden]. Prefill runs
-causal attention inside each sequence's segment and writes its K/V into the cache;
-decode gathers each sequence's K/V from the cache by slot. Weights are read from the
-Hugging Face checkpoint by name (`model.language_model.*`, `lm_head.weight`).
+Tokens of all sequences in a step are packed along one axis [T, hidden], and every token's K/V
+is written into the cache first. A prompt chunk attends causally to its sequence's whole context
+so far, read back from the cache by slot; a decode token attends over its blocks in place (paged
+decode attention). Weights are read from the Hugging Face checkpoint by name
+(`model.language_model.*`, `lm_head.weight`), or made up (`load_format: dummy`).
 """
 from __future__ import annotations
 

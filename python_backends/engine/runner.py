@@ -130,5 +130,6 @@ class ModelRunner:
 
 
 def is_decode(seq: Sequence, num_tokens: int) -> bool:
-    """The step computes only the sequence's newest token: attention over the paged cache."""
-    return num_tokens == 1 and seq.num_cached == len(seq) - 1
+    """The step computes only the sequence's newest generated token: attention over the paged cache,
+    routing policy (a prompt's last token, even alone, is prefill: it may be an image row)."""
+    return num_tokens == 1 and seq.num_cached == len(seq) - 1 and bool(seq.output_ids)

@@ -3,7 +3,7 @@
 Every step carries each running sequence's next token(s) under one budget of
 `max_num_batched_tokens`: a sequence that is decoding takes one token, a sequence whose prompt is
 not yet in the KV cache takes a chunk of it (as much as the budget leaves), and waiting sequences
-are admitted while budget, free KV blocks and `max_num_seqs` allow. So a 30-image prompt is
+are admitted while budget, `max_num_seqs` and free KV blocks for their whole prompt allow. So a 30-image prompt is
 prefilled over several steps while the running streams keep getting a token every step, instead
 of stalling them for its whole prefill. Running sequences are served oldest first, so decode
 tokens come before prefill chunks. KV blocks are taken as the tokens are scheduled; when a
@@ -40,6 +40,7 @@ class Scheduler:
         """The sequences of this step and how many of each one's tokens it computes."""
         batch: ScheduledBatch = []
         budget = self.max_num_batched_tokens
+        preempted = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -55,10 +56,12 @@ class Scheduler:
                 self.blocks.hold(seq, seq.num_cached + n)
                 batch.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A pass that had to preempt admits nobody: the freed blocks would go straight back to the
+        # sequence just sent away, its chunk recomputed step after step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted:
             seq = self.waiting[0]
             n = min(len(seq), budget)
-            if not self.blocks.can_hold(seq, n):
+            if not self.blocks.can_hold(seq, len(seq)):  # admit what can be prefilled to its end now
                 break
             self.blocks.hold(seq, n)
             seq.status = Status.RUNNING

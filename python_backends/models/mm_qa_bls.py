@@ -24,7 +24,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..image_input import decode_images
-from ..serving.errors import BadInput, ModelError
+from ..serving.errors import BadInput, ModelError, internal_error
 from ..serving.interface import DECODER_OPTIONS
 from ..serving.pipeline import CACHE_GAUGES, CACHE_METRICS, QAPipeline, QARequest, split_features
 from ..settings import parse_parameters, settings_of
@@ -155,6 +155,9 @@ class TritonPythonModel:
                 self.pipeline.submit(qa, sink)
             except (BadInput, UnicodeDecodeError) as e:
                 sink.close(f"mm_qa_bls: {e}")
+            except Exception as e:  # a bug fails this request alone, never the batch
+                pb_utils.Logger.log_error(f"mm_qa_bls: request refused: {e!r}")
+                sink.close(internal_error("mm_qa_bls", e))
         return None
 
     def finalize(self):

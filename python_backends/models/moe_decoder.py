@@ -14,7 +14,7 @@ from ..detokenize import TokenBytes
 from ..engine.engine import LLMEngine, RequestError
 from ..serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecodeResponse, DecoderService,
                                VisualTokens)
-from ..serving.errors import BadInput
+from ..serving.errors import BadInput, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
 from .io import Metrics, as_torch, error_response, load_settings, read_options, resolve_checkpoint
 
@@ -59,6 +59,8 @@ def visual_tokens(request, device: torch.device) -> VisualTokens | None:
     t = {name: None if v is None else as_torch(v) for name, v in given.items()}
     features = {name: None if t[name] is None else t[name].to(device, copy=True)
                 for name in ("visual_embeds", "deepstack_embeds")}
+    if device.type == "cuda":  # the copy is queued on the stream: finish it before Triton frees the source
+        torch.cuda.current_stream(device).synchronize()
     index = {name: None if t[name] is None else t[name].cpu()
              for name in ("visual_positions", "image_grids", "visual_tokens_kept")}
     return VisualTokens(features["visual_embeds"], features["deepstack_embeds"], index["visual_positions"],
@@ -95,6 +97,9 @@ class TritonPythonModel:
                 self.service.submit(DecodeRequest(ids, options, visual_tokens(request, self.device)), sink)
             except (BadInput, RequestError) as e:
                 sink.send_error(str(e))
+            except Exception as e:  # a bug or a device error fails this request alone, never the batch
+                pb_utils.Logger.log_error(f"moe_decoder: request refused: {e!r}")
+                sink.send_error(internal_error("moe_decoder", e))
         return None
 
     def finalize(self):

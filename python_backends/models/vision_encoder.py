@@ -11,7 +11,6 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from ..engine.engine import DTYPES
 from ..serving.errors import BadInput, internal_error
 from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
@@ -48,8 +47,8 @@ class TritonPythonModel:
     def initialize(self, args):
         location, settings, self.visionzip = load_settings(args, "vision_encoder")
         device, dtype = resolve_device_dtype(settings.device, settings.dtype)
-        self.encoder = VisionEncoder(resolve_checkpoint(args, location.checkpoint_path), torch.device(device),
-                                     DTYPES[dtype], settings.importance_layer, settings.budget_weighting,
+        self.encoder = VisionEncoder(resolve_checkpoint(args, location.checkpoint_path), device, dtype,
+                                     settings.importance_layer, settings.budget_weighting,
                                      settings.load_format)
         self.multiple = self.encoder.patch * self.encoder.merge
         self._metric_families = families = Metrics(pb_utils, "vision_encoder")

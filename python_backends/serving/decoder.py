@@ -52,7 +52,7 @@ GAUGES = {
     "kv_blocks_free": ("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
     "kv_blocks_total": ("zipmoe_kv_blocks_total", "KV cache blocks in all"),
     "kv_capacity_tokens": ("zipmoe_kv_capacity_tokens", "Tokens the KV cache holds (sized at load)"),
-    "running": ("zipmoe_running_requests", "Sequences in the decode batch"),
+    "running": ("zipmoe_running_requests", "Sequences admitted: decoding, or their prompt being prefilled"),
     "waiting": ("zipmoe_waiting_requests", "Sequences waiting for admission"),
 }
 # observe() name -> (Prometheus histogram, help, bucket upper bounds in seconds); one observation per
@@ -232,11 +232,17 @@ class DecoderService:
         self._admit(block=not self.engine.has_work)
         self._drop_cancelled()
         results = self.engine.step() if self.engine.has_work else []
+        replies = []
         for seq, token in results:
-            pending = self._live.get(seq.seq_id)
-            if pending is not None:
-                self._respond(pending, token)
-        self._maybe_publish(force=False)
+            p = self._live.get(seq.seq_id)
+            reply = None if p is None else self._reply(p, token)
+            if reply is not None:
+                replies.append(reply)
+        # Publish once, before the last responses go out: a client that has its last response then
+        # finds its work in the metrics (one publish per step, however many requests end in it).
+        self._maybe_publish(force=any(final for _, _, final in replies))
+        for p, response, final in replies:
+            self._send(p, response, final)
 
     def _maybe_publish(self, force: bool) -> None:
         now = time.monotonic()
@@ -272,21 +278,21 @@ class DecoderService:
                 self.counts["requests_cancelled"] += 1
                 self._send(p, None, final=True)
 
-    def _respond(self, p: Pending, token: int):
+    def _reply(self, p: Pending, token: int) -> tuple[Pending, DecodeResponse, bool] | None:
+        """The response a new token calls for (None when not streaming and not finished); a finished
+        request leaves the live set and is counted."""
         seq = p.seq
         if p.text.push(token) and not seq.finished:
             self.engine.finish_stopped(seq)
         if not (p.stream or seq.finished):
-            return
+            return None
         first, begin, end = p.text.release(final=seq.finished)
         response = DecodeResponse(np.asarray(seq.output_ids[first:], dtype=np.int32), (begin, end),
                                   len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept)
         if seq.finished:
             del self._live[seq.seq_id]
             self._record(p)
-            # Publish before the last response: a client that has it then finds its work in the metrics.
-            self._maybe_publish(force=True)
-        self._send(p, response, final=seq.finished)
+        return p, response, seq.finished
 
     def _record(self, p: Pending):
         seq, now, c = p.seq, time.monotonic(), self.counts

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checkpoint import LOAD_FORMATS
 from ..engine.engine import EngineConfig
-from ..settings import DTYPE_CHOICES, CheckpointConfig, setting
+from ..settings import CheckpointConfig, device_setting, dtype_setting, load_format_setting, setting
 from ..visionzip import BUDGET_WEIGHTINGS, VisionZipConfig
 from .decoder import DecoderConfig
 from .pipeline import PipelineConfig
@@ -26,10 +25,9 @@ class ImageDecodeConfig:
 
 @dataclass(frozen=True)
 class VisionEncoderConfig:
-    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: deterministic random weights of "
-                                       "config.json's shapes, made on the device (benchmarks)", choices=LOAD_FORMATS)
-    device: str = setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
-    dtype: str = setting("auto", "auto = bfloat16 on cuda, float32 on cpu", choices=DTYPE_CHOICES)
+    load_format: str = load_format_setting()
+    device: str = device_setting()
+    dtype: str = dtype_setting()
     importance_layer: int = setting(-1, "vision layer whose attention ranks the tokens (negative: from the last)")
     budget_weighting: str = setting(
         "distinct", "how a request's images share its budget: distinct (by distinct tokens) or size (by tokens)",
