@@ -98,18 +98,12 @@ def split_features(out: dict[str, torch.Tensor]) -> list[ImageFeatures]:
     grids = [tuple(g) for g in out["image_grids"].reshape(-1, 2).tolist()]
     if counts != [rows * cols for rows, cols in grids]:
         raise RuntimeError(f"vision_encoder kept {counts} tokens of grids {grids}: not every token (keep 1.0?)")
-    features, start = [], 0
-
-    def owned(tensor: torch.Tensor, index) -> torch.Tensor:
-        return tensor[index].to("cpu", copy=True)
-
-    for count, grid in zip(counts, grids):
-        rows = slice(start, start + count)
-        start += count
-        features.append(ImageFeatures(owned(out["visual_embeds"], rows),
-                                      owned(out["deepstack_embeds"], (slice(None), rows)),
-                                      owned(out["token_importance"], rows), owned(out["token_keys"], rows), grid))
-    return features
+    # One copy to the host per output (not one per image), then each image's rows cloned there.
+    host = {name: out[name].cpu() for name in ("visual_embeds", "deepstack_embeds", "token_importance", "token_keys")}
+    embeds, importance, keys = (host[n].split(counts) for n in ("visual_embeds", "token_importance", "token_keys"))
+    deepstack = host["deepstack_embeds"].split(counts, dim=1)
+    return [ImageFeatures(e.clone(), d.clone(), i.clone(), k.clone(), grid)
+            for e, d, i, k, grid in zip(embeds, deepstack, importance, keys, grids)]
 
 
 class VisionBatcher:
