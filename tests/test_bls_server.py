@@ -1,11 +1,12 @@
 """mm_qa_bls on a real server: the same answers as the mm_qa ensemble, the visual-feature cache, validation."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from test_images_server import note
-from zipmoe.clients.triton_client import scrape_metrics
-from zipmoe.clients.triton_client import ServerError, grpc_generate
+from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -75,11 +76,23 @@ def test_invalid_request_is_refused(zipmoe_server, inputs, message):
         list(grpc_generate(zipmoe_server.url_grpc, model="mm_qa_bls", **inputs))
 
 
-def test_cancelled_stream_leaves_the_server_answering(zipmoe_server):
+def test_cancelled_stream_stops_the_decoder_and_leaves_the_server_answering(zipmoe_server):
+    """mm_qa_bls passes the client's cancel on to moe_decoder (a control call naming the request):
+    the request is counted cancelled, not completed, and its KV blocks come back."""
+    before = scrape_metrics(zipmoe_server.url_metrics)
     stream = grpc_generate(zipmoe_server.url_grpc, model="mm_qa_bls", text_input="Tell me everything.",
-                           images=[note(5)], max_tokens=200, ignore_eos=True, stream=True)
+                           images=[note(5)], max_tokens=1000, ignore_eos=True, stream=True)
     for count, _ in enumerate(stream, 1):
         if count == 3:
             break
     stream.close()  # stops the gRPC stream with cancel_requests=True
+    deadline = time.time() + 30
+    while True:
+        after = scrape_metrics(zipmoe_server.url_metrics)
+        if after.get("zipmoe_requests_cancelled_total", 0) > before.get("zipmoe_requests_cancelled_total", 0):
+            break
+        assert time.time() < deadline, "moe_decoder never saw the cancellation"
+        time.sleep(0.1)
+    assert after["zipmoe_requests_completed_total"] == before["zipmoe_requests_completed_total"]
+    assert after["zipmoe_kv_blocks_free"] == after["zipmoe_kv_blocks_total"]
     assert streamed(zipmoe_server, "mm_qa_bls", [note(5)])[-1]["output_token_count"] == 12

@@ -153,3 +153,17 @@ def test_visual_tokens_before_and_after_visionzip_are_counted(service):
     run(service, {"max_tokens": 2, "ignore_eos": True})  # text only: counts nothing
     stats = service.published[-1]
     assert (stats["visual_tokens"], stats["visual_tokens_kept"]) == (8, 3)
+
+
+def test_cancel_by_tag_stops_that_request_only(service):
+    """mm_qa_bls's way to cancel: a control call naming the tag the request was submitted with."""
+    tagged, other = Sink(), Sink()
+    service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 200, "ignore_eos": True}, tag="abc"), tagged)
+    service.submit(DecodeRequest(PROMPT, {"max_tokens": 20, "ignore_eos": True}, tag="xyz"), other)
+    service.cancel("abc")
+    service.cancel("never-seen")  # ignored
+    assert tagged.done.wait(60) and other.done.wait(60)
+    assert tagged.finals == 1 and len(tagged.responses) < 200 and not tagged.errors
+    assert other.responses[-1].output_token_count == 20
+    assert service.counts["requests_cancelled"] == 1
+    assert service.engine.blocks.num_free == service.engine.blocks.num_blocks

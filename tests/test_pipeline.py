@@ -27,7 +27,7 @@ def features(image: bytes) -> ImageFeatures:
 
 class Stream:
     def __init__(self, n: int, fail_at: int | None):
-        self.n, self.fail_at, self.read, self.drained = n, fail_at, 0, False
+        self.n, self.fail_at, self.read, self.drained, self.cancelled_at = n, fail_at, 0, False, None
 
     def _next(self):
         while self.read < self.n:
@@ -40,6 +40,9 @@ class Stream:
                 raise ModelError("moe_decoder: boom")
             yield {"output_ids": [i], "text_range": [0, 1], "input_token_count": 3, "output_token_count": i + 1,
                    "finish_reason": "length" if i == self.n - 1 else "", "visual_tokens_kept": []}
+
+    def cancel(self):
+        self.cancelled_at = self.read
 
     def drain(self):
         for _ in self._next():
@@ -126,6 +129,7 @@ def test_cancel_mid_stream_stops_relaying_reads_the_decoder_to_its_end_then_clos
     calls = Calls(responses=50)
     sink = ask(pipeline(calls), sink=Sink(cancel_after=1))
     assert len(sink.sent) == 1 and sink.error is None
+    assert calls.streams[0].cancelled_at == 2  # told to stop when the second response found the client gone
     assert calls.streams[0].drained and calls.streams[0].read == 50
 
 

@@ -18,6 +18,7 @@ BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
 """
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -59,10 +60,16 @@ def infer(model: str, inputs: dict, outputs: list[str]) -> dict:
 
 
 class DecoderStream:
-    """moe_decoder's responses; whatever iteration leaves unread, drain() reads."""
+    """moe_decoder's responses to the request tagged `tag`; whatever iteration leaves unread, drain() reads."""
 
-    def __init__(self, responses):
-        self._responses = responses
+    def __init__(self, responses, tag: str):
+        self._responses, self._tag = responses, tag
+
+    def cancel(self) -> None:
+        """A control call to moe_decoder naming this request's tag (answered at once, read to its end)."""
+        for _ in bls_request("moe_decoder", {"cancel": np.asarray([self._tag.encode()], np.object_)},
+                             []).exec(decoupled=True):
+            pass
 
     def __iter__(self):
         for response in self._responses:
@@ -95,7 +102,9 @@ class BlsCalls:
 
     @staticmethod
     def decode(inputs: dict) -> DecoderStream:
-        return DecoderStream(bls_request("moe_decoder", inputs, DECODER_OUTPUTS).exec(decoupled=True))
+        tag = uuid.uuid4().hex  # names the call for DecoderStream.cancel
+        inputs = {**inputs, "request_tag": np.asarray([tag.encode()], np.object_)}
+        return DecoderStream(bls_request("moe_decoder", inputs, DECODER_OUTPUTS).exec(decoupled=True), tag)
 
     @staticmethod
     def detokenize(outputs: dict):

@@ -16,7 +16,7 @@ from ..serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, Deco
                                VisualTokens)
 from ..serving.errors import BadInput, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
-from .io import Metrics, as_torch, error_response, load_settings, read_options, resolve_checkpoint
+from .io import Metrics, as_torch, error_response, get_input, load_settings, read_options, resolve_checkpoint, scalar
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -92,9 +92,18 @@ class TritonPythonModel:
         for request in requests:
             sink = Sink(request.get_response_sender())
             try:
-                ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
+                cancel = scalar(pb_utils, request, "cancel", None, str)
+                if cancel is not None:  # a control call: stop the request tagged so, answer this one at once
+                    self.service.cancel(cancel)
+                    sink.send(None, final=True)
+                    continue
+                ids = get_input(pb_utils, request, "input_ids")
+                if ids is None:
+                    raise BadInput("input_ids is required")
                 options = read_options(pb_utils, request, DECODER_OPTIONS)
-                self.service.submit(DecodeRequest(ids, options, visual_tokens(request, self.device)), sink)
+                tag = scalar(pb_utils, request, "request_tag", "", str)
+                self.service.submit(DecodeRequest(ids.reshape(-1).tolist(), options,
+                                                  visual_tokens(request, self.device), tag), sink)
             except (BadInput, RequestError) as e:
                 sink.send_error(str(e))
             except Exception as e:  # a bug or a device error fails this request alone, never the batch

@@ -88,6 +88,13 @@ class DecodeRequest:
     input_ids: list[int]  # the prompt, one placeholder per image
     options: dict  # interface.DECODER_OPTIONS by name, defaults filled in (max_tokens None: the server's)
     visual: VisualTokens | None = None  # None or no images: a text-only request
+    tag: str = ""  # names the request for a later cancel(tag) (mm_qa_bls: server 2.51's BLS cannot cancel)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """cancel(tag), queued behind the requests submitted before it, so it finds them admitted."""
+    tag: str
 
 
 @dataclass
@@ -121,6 +128,7 @@ class Pending:
     tokens_kept: np.ndarray
     tokens_before: int  # the images' merged visual tokens before VisionZip
     opt_out: bool  # the client sent sere=false: this request keeps its top-K experts
+    tag: str = ""
     seq: Sequence | None = None  # set when the engine thread admits the request
 
 
@@ -144,8 +152,9 @@ class DecoderService:
         self.token_bytes = token_bytes
         self.config = config
         self._publish, self._log_error, self._observe = publish, log_error, observe
-        self._inbox: queue.Queue[Pending] = queue.Queue()
+        self._inbox: queue.Queue[Pending | Cancel] = queue.Queue()
         self._live: dict[int, Pending] = {}
+        self._cancel_tags: set[str] = set()  # tags of live requests that cancel() stops before the next step
         self._stop = threading.Event()
         self._published_at = 0.0
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "ttft_us", "decode_us",
@@ -164,7 +173,12 @@ class DecoderService:
         opt_out = not request.options.get("sere", True)
         self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
                                 TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, before,
-                                opt_out))
+                                opt_out, request.tag))
+
+    def cancel(self, tag: str) -> None:
+        """Stops the request submitted with `tag` before its next step, as if its client had cancelled
+        (a tag of a request already finished, or never seen, is ignored)."""
+        self._inbox.put(Cancel(tag))
 
     def _splice(self, request: DecodeRequest) -> tuple[list[int], VisualInputs | None, np.ndarray, int]:
         """Expands each image placeholder to the tokens the vision encoder kept (none for text-only);
@@ -209,7 +223,9 @@ class DecoderService:
         self._thread.join(timeout=10)
         pending = list(self._live.values())
         while not self._inbox.empty():
-            pending.append(self._inbox.get_nowait())
+            item = self._inbox.get_nowait()
+            if isinstance(item, Pending):
+                pending.append(item)
         for p in pending:
             try:
                 p.sink.send_error(message)
@@ -257,22 +273,29 @@ class DecoderService:
         except queue.Empty:
             return
         while True:
-            p = item
-            try:
-                p.seq = self.engine.add_request(p.prompt_ids, p.params, opt_out=p.opt_out, visual=p.visual)
-            except Exception as e:  # checked in submit() already; never let one request fail the others
-                self._send_error(p, str(e))
+            if isinstance(item, Cancel):
+                if item.tag and any(live.tag == item.tag for live in self._live.values()):
+                    self._cancel_tags.add(item.tag)
             else:
-                p.seq.arrival = p.arrival  # time to first token counts from submit()
-                self._live[p.seq.seq_id] = p
+                self._add(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _add(self, p: Pending) -> None:
+        try:
+            p.seq = self.engine.add_request(p.prompt_ids, p.params, opt_out=p.opt_out, visual=p.visual)
+        except Exception as e:  # checked in submit() already; never let one request fail the others
+            self._send_error(p, str(e))
+        else:
+            p.seq.arrival = p.arrival  # time to first token counts from submit()
+            self._live[p.seq.seq_id] = p
+
     def _drop_cancelled(self):
         for p in list(self._live.values()):
-            if p.sink.is_cancelled():
+            if p.sink.is_cancelled() or p.tag in self._cancel_tags:
+                self._cancel_tags.discard(p.tag)
                 self.engine.abort(p.seq)
                 del self._live[p.seq.seq_id]
                 self.counts["requests_cancelled"] += 1

@@ -10,9 +10,11 @@ cached image serves any keep ratio; it lives in host memory, so this path copies
 image's features to the host once and the kept tokens back to moe_decoder (mm_qa keeps them on
 the GPU all the way).
 
-Cancellation: relaying stops (no more postprocess calls or sends), the decoder's remaining
-responses are read to the end (a decoupled BLS stream is freed only then, and server 2.51 cannot
-cancel it), and only then is the final flag sent (while the client's request is open the server
+Cancellation: relaying stops (no more postprocess calls or sends), moe_decoder is told to stop the
+request (`DecoderStream.cancel`: server 2.51's BLS cannot cancel a call, so the adapter sends a
+control call naming the request's tag; the decoder aborts it before its next step and frees its KV
+blocks), the decoder's remaining responses are read to the end (a decoupled BLS stream is freed only
+then), and only then is the final flag sent (while the client's request is open the server
 does not finalize the model; sent earlier, a shutdown right after a cancel hung, measured).
 """
 from __future__ import annotations
@@ -61,6 +63,7 @@ class QARequest:
 
 class DecoderStream(Protocol):
     def __iter__(self) -> Iterator[dict]: ...  # each response's outputs by name; ModelError on an error
+    def cancel(self) -> None: ...  # ask moe_decoder to stop this request (its stream then ends soon)
     def drain(self) -> None: ...  # read whatever is left, to the end
 
 
@@ -210,6 +213,7 @@ class QAPipeline:
         try:
             for out in stream:
                 if sink.is_cancelled():
+                    stream.cancel()
                     return
                 sink.send({"text_output": self.calls.detokenize(out), **{name: out[name] for name in RELAYED}})
             finished = True
