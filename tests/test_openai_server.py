@@ -86,3 +86,29 @@ def test_a_bad_image_is_a_400_naming_it(client, model):
             {"type": "image_url", "image_url": {"url": "https://example.com/receipt.png"}},
             {"type": "text", "text": QUESTION}]}])
     assert client.chat.completions.create(model=model, messages=message([note(2)]), max_tokens=4).usage
+
+
+def test_a_disconnect_on_mm_qa_bls_stops_the_decoding(client, zipmoe_server):
+    """The HTTP client goes away mid-stream: the frontend cancels its gRPC stream, mm_qa_bls passes the
+    cancel on, and moe_decoder counts it cancelled and gives its KV blocks back (an mm_qa request an
+    earlier test cancelled may still be decoding for nobody: server 2.51's ensembles do not pass it on)."""
+    import time
+
+    from zipmoe.clients.triton_client import scrape_metrics
+
+    before = scrape_metrics(zipmoe_server.url_metrics)
+    stream = client.chat.completions.create(model="mm_qa_bls", messages=message([note(2)]), max_tokens=1000,
+                                            stream=True, extra_body={"ignore_eos": True})
+    for count, _ in enumerate(stream, 1):
+        if count == 3:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while (after := scrape_metrics(zipmoe_server.url_metrics)).get("zipmoe_requests_cancelled_total", 0) <= \
+            before.get("zipmoe_requests_cancelled_total", 0):
+        assert time.time() < deadline, "moe_decoder never saw the disconnect"
+        time.sleep(0.1)
+    assert after["zipmoe_requests_cancelled_total"] - before.get("zipmoe_requests_cancelled_total", 0) == 1
+    while (after := scrape_metrics(zipmoe_server.url_metrics))["zipmoe_kv_blocks_free"] != after["zipmoe_kv_blocks_total"]:
+        assert time.time() < deadline + 60, "KV blocks still held"
+        time.sleep(0.2)
