@@ -326,6 +326,22 @@ class TritonServer:
             self._kill_group()
         return self.process.returncode
 
+    def kill(self) -> None:
+        """SIGKILL to the whole group (server and stubs) at once: connections close, requests end."""
+        self._kill_group()
+        self.process.wait()
+        for _ in range(100):
+            if not self._group_alive():
+                break
+            time.sleep(0.05)
+
+    def restart(self) -> None:
+        """Kills the server and starts a new one on the same ports and configuration."""
+        self.kill()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        self.start()
+
     def _group_alive(self) -> bool:
         try:
             os.killpg(self.process.pid, 0)

@@ -2,7 +2,8 @@
 `--openai-port`, the OpenAI-compatible frontend beside it (`openai_frontend`), until a signal.
 
 With no flags it serves `checkpoints/notes`, the trained checkpoint (the configs' `checkpoint_path`).
-SIGINT/SIGTERM go to tritonserver, which finishes; then the frontend stops.
+SIGINT/SIGTERM go to tritonserver, which finishes; then the frontend stops. While it runs,
+`supervisor.supervise` restarts it when a model's stub process dies (server 2.51 does not recover).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from .serve import DEFAULT_REPOSITORY, TritonServer, load_format_overrides, parse_overrides
 from .settings import LOAD_FORMATS
+from .supervisor import supervise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 f"metrics {h}:{server.metrics_port}  {openai}models: {', '.join(models)}",
                 flush=True,
             )
-            server.process.wait()
-            return server.stop()
+            return supervise(server, lambda: bool(signalled), log=lambda line: print(line, flush=True))
         finally:
             if frontend is not None:
                 frontend.stop()
