@@ -124,7 +124,7 @@ def patch_importance_reference(q: Tensor, k: Tensor, cu_seqlens: Tensor, scale: 
 
     q, k: [P, heads, d] of one vision attention layer, all images packed; cu_seqlens: int [N+1]
     image boundaries (attention is full inside an image and never crosses images). Returns [P]
-    float32. The factor N_i makes uniform attention 1.0, so images of different sizes compete
+    float32. The factor N_i makes uniform attention 1.0, so images of different sizes are read
     on one scale; each image's values sum to N_i. Materialises softmax(q k^T * scale) per image.
     """
     out = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)

@@ -4,7 +4,8 @@ The tower stays transformers' `Qwen3VLMoeVisionModel`, except its attention (`_a
 batched SDPA per distinct image size per layer instead of transformers' one call per image. The
 attention of layer ℓ also hands over that layer's q and k, from which
 `kernels.attention_importance.patch_importance` (a Triton kernel; its reference off CUDA) gets
-how much attention each patch receives; the merged tokens then compete for one budget.
+how much attention each patch receives; each image then keeps its own most-attended tokens within
+its share of one budget.
 """
 from __future__ import annotations
 

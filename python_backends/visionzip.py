@@ -1,10 +1,11 @@
-"""VisionZip visual-token compression with one global budget per request.
+"""VisionZip visual-token compression with one budget per request.
 
 VisionZip (arXiv 2412.04467) keeps the "dominant" visual tokens — those that receive the most
 attention at a deep vision layer — and folds part of the rest into a few "contextual" tokens.
-Its public Qwen2.5-VL port handles one image; here all images of a request compete in one
-candidate pool under one token budget, so a detail-dense image (text, tables, receipts) keeps
-more tokens than a plain one, while a per-image floor keeps every image represented.
+Its public Qwen2.5-VL port handles one image; here all images of a request share one token
+budget: above a per-image floor, each image's share follows its weight (its distinct tokens by
+default), so a detail-dense image (text, tables, receipts) keeps more tokens than a plain one at
+every keep ratio, and attention picks the tokens inside each image.
 
 Pipeline (vision_encoder): patch importance on layer ℓ's q/k (kernels/attention_importance.py:
 `patch_importance`, a Triton kernel that never materialises the N x N attention matrix, or its
@@ -18,7 +19,6 @@ Plain PyTorch. Everything is deterministic.
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,13 +54,13 @@ def check_budget_weighting(weighting: str) -> str:
 
 def weigh_images(importance: Tensor, embeds: list[Tensor], weighting: str) -> Tensor:
     """Scales each image's merged-token importance (packed [sum N_i]; each image's sums to its
-    patch count, 4 N_i with a 2x2 merger) by how much of the global budget the image may claim.
+    patch count, 4 N_i with a 2x2 merger) by how much of the request's budget the image may claim:
+    select_tokens shares the budget above the floors in proportion to each image's mass.
 
-    size: unchanged, every token counts (the paper's per-image normalisation). With images of
-    one size the budget then follows only the shape of each image's attention, whatever the image
-    shows. distinct: image i's mass becomes 4 D_i (`distinct_token_count`), so tokens that
-    repeat one another (a plain background, a flat colour) claim little of the shared budget and
-    detail-dense images (text, tables) keep more."""
+    size: unchanged, every token counts (the paper's per-image normalisation): images keep about
+    the same fraction of their tokens, whatever they show. distinct: image i's mass becomes 4 D_i
+    (`distinct_token_count`), so tokens that repeat one another (a plain background, a flat
+    colour) claim little of the shared budget and detail-dense images (text, tables) keep more."""
     if check_budget_weighting(weighting) == "size" or not embeds:
         return importance
     sizes = [e.shape[0] for e in embeds]
@@ -92,31 +92,50 @@ def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
 
 
-def _split_context(total: int, remaining: list[int]) -> list[int]:
-    """Largest-remainder split of `total` in proportion to `remaining` (ties: lower image).
+def apportion(weights: list[float], total: int, caps: list[int]) -> list[int]:
+    """Webster's divisor method with caps: counts 0 <= n_i <= caps[i] summing to `total` (at most
+    sum(caps)), n_i about total * w_i / sum(w).
 
-    Needs total <= sum(remaining); then no share exceeds its image's count: a floor is at most
-    the exact share, and only shares with a fractional part (so below their count) get a +1."""
-    pool = sum(remaining)
-    if total == 0:
-        return [0] * len(remaining)
-    shares = [total * r // pool for r in remaining]
-    by_remainder = sorted(range(len(remaining)), key=lambda i: (-(total * remaining[i] % pool), i))
-    for i in by_remainder[: total - sum(shares)]:
-        shares[i] += 1
-    return shares
+    The (k+1)-th unit of item i has priority w_i / (k + 1/2); the top `total` priorities over all
+    items are given out, ties to the heavier item, then the earlier one. The priorities do not
+    depend on `total`, so a larger total never gives an item less (house monotone). An item's next
+    unit never ranks below a lighter item's unit at the same or a higher count, so
+    n_a >= min(n_b, caps[a]) whenever a ranks before b (w_a > w_b, or w_a == w_b and a < b).
+    Webster's divisor (k + 1/2) favours neither heavy nor light items."""
+    ranked = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    owner = torch.cat([torch.full((caps[i],), i) for i in ranked])
+    seat = torch.cat([torch.arange(caps[i], dtype=torch.float64) for i in ranked])
+    priority = torch.tensor(weights, dtype=torch.float64)[owner] / (seat + 0.5)
+    # Laid out by rank, seats ascending: a stable descending sort breaks ties by rank. Division
+    # rounds monotonically, so the order argued above survives float64.
+    top = torch.sort(priority, descending=True, stable=True).indices[:total]
+    return torch.bincount(owner[top], minlength=len(weights)).tolist()
 
 
 def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: float,
                   context_fraction: float = 0.05, min_per_image: int = 4) -> list[ImageSelection]:
-    """Choose the kept tokens of every image of one request under one global budget.
+    """Choose the kept tokens of every image of one request under one budget.
 
-    importance[i]: [N_i] merged-token importance; keys[i]: [N_i, dk] keys of the same tokens
-    (for context folding). Budget B = round(keep_ratio * N) tokens over all N = sum N_i tokens,
-    at least each image's floor min(N_i, min_per_image), at most N; exactly B are kept.
-    B - C dominant tokens (floors first, then the global top by importance) and
-    C = round(context_fraction * B) contextual tokens (targets spread over each image's
-    remaining tokens, which are folded into their most key-similar target).
+    importance[i]: [N_i] merged-token importance (weighted by `weigh_images`); keys[i]: [N_i, dk]
+    keys of the same tokens (for context folding). Budget B = round(keep_ratio * N) tokens over all
+    N = sum N_i tokens, at least the floors' sum (F_i = min(N_i, min_per_image)), at most N; exactly
+    B are kept. Image i keeps K_i = F_i + E_i tokens: the B - sum F_i tokens above the floors are
+    apportioned (`apportion`) in proportion to its weight W_i, the sum of its importance (4 D_i by
+    distinct tokens, 4 N_i by size), at most N_i - F_i each. Then it keeps its top K_i - C_i tokens
+    by importance (dominant) and C_i contextual ones (targets spread over its other tokens, which
+    are folded into their most key-similar target). C = round(context_fraction * B) per request
+    (0 when B = N) is apportioned by dropped tokens N_i - K_i; image i holds at most
+    min(K_i - F_i, N_i - K_i) of them (its floor stays dominant, a target needs a token to fold),
+    so C is lower when the images cannot hold it.
+
+    Guaranteed for any images a, b of a request and keep ratios r < r':
+    - monotone: K_i(r) <= K_i(r') for every image;
+    - ordered: if W_a > W_b, or W_a == W_b and a comes first, then K_a >= min(K_b, N_a) at every
+      keep ratio: a keeps at least as many tokens as b unless it keeps all of its own.
+    The order is fixed by the weights, whatever the keep ratio, so lowering keep never reverses
+    which of two images keeps more, except where the one ahead was kept whole and is smaller
+    (never between images of one size). A global top-k by importance cannot promise this: two
+    images' importance distributions may cross.
     """
     if not 0.0 < keep_ratio <= 1.0:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
@@ -124,29 +143,19 @@ def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: floa
     floors = [min(n, min_per_image) for n in sizes]
     total = sum(sizes)
     budget = min(total, max(sum(floors), _round_half_up(keep_ratio * total)))
-    n_context = 0 if budget == total else _round_half_up(context_fraction * budget)
-    if budget - n_context < sum(floors):
-        n_context = 0  # the floors come first; no room for contextual tokens
-    n_dominant = budget - n_context
-
-    # One flat vector, image-major and token-ascending, so a stable descending sort breaks
-    # ties by lower image, then lower token.
-    flat = torch.cat([imp.float() for imp in importance])
-    offsets = list(accumulate(sizes, initial=0))
-    dominant = torch.zeros(total, dtype=torch.bool, device=flat.device)
-    for i, f in enumerate(floors):
-        order = torch.sort(importance[i].float(), descending=True, stable=True).indices
-        dominant[offsets[i] + order[:f]] = True
-    pool = (~dominant).nonzero().squeeze(1)
-    order = torch.sort(flat[pool], descending=True, stable=True).indices
-    dominant[pool[order[: n_dominant - sum(floors)]]] = True
-
-    remaining = [int((~dominant[offsets[i]:offsets[i + 1]]).sum()) for i in range(len(sizes))]
-    context_counts = _split_context(n_context, remaining)
+    above = apportion([float(imp.double().sum()) for imp in importance], budget - sum(floors),
+                      [n - f for n, f in zip(sizes, floors)])
+    kept_counts = [f + e for f, e in zip(floors, above)]
+    dropped = [n - k for n, k in zip(sizes, kept_counts)]
+    room = [min(k - f, d) for k, f, d in zip(kept_counts, floors, dropped)]
+    n_context = 0 if budget == total else min(sum(room), _round_half_up(context_fraction * budget))
+    context_counts = apportion([float(d) for d in dropped], n_context, room)
 
     selections = []
-    for i, (n, c) in enumerate(zip(sizes, context_counts)):
-        dom = dominant[offsets[i]:offsets[i + 1]]
+    for imp, key, n, k, c in zip(importance, keys, sizes, kept_counts, context_counts):
+        order = torch.sort(imp.float(), descending=True, stable=True).indices  # ties: lower token
+        dom = torch.zeros(n, dtype=torch.bool, device=imp.device)
+        dom[order[: k - c]] = True
         rest = (~dom).nonzero().squeeze(1)
         # Targets evenly spaced over the remaining tokens in index order (distinct as c <= len(rest)).
         targets = rest[torch.arange(c, device=rest.device) * len(rest) // c] if c else rest[:0]
@@ -157,7 +166,7 @@ def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: floa
         row[kept] = torch.arange(len(kept), device=dom.device)
         assign = row.clone()  # kept tokens map to themselves, the rest to -1 until folded
         if c:
-            unit = F.normalize(keys[i].float(), dim=-1)
+            unit = F.normalize(key.float(), dim=-1)
             folded = rest[~is_target[rest]]
             nearest = (unit[folded] @ unit[targets].T).argmax(dim=1)  # cosine; ties: first target
             assign[folded] = row[targets[nearest]]

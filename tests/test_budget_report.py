@@ -24,7 +24,8 @@ def test_report_on_the_trained_checkpoint(tmp_path, capsys):
     assert set(last["tokens_kept"]) == {"distinct", "size"}
     share = {w: last["tokens_kept"][w]["0.5"]["dense"] / last["tokens_kept"][w]["0.5"]["plain"]
              for w in ("distinct", "size")}
-    assert share["distinct"] > 1.1 and share["size"] < 1.0  # more examples: test_budget_weighting
+    assert share["distinct"] > 1.1  # more examples: test_budget_weighting
+    assert share["size"] == pytest.approx(1.0, abs=0.05)  # notes of one size share evenly by size
     assert result["distinct_tokens"]["dense"] > result["distinct_tokens"]["plain"] >= 1.0
     assert "distinct @0.5" in capsys.readouterr().out
     assert TRAINED_CHECKPOINT.is_dir()

@@ -1,13 +1,17 @@
 """How a request's images share the VisionZip budget, on the trained checkpoint and real notes:
-by distinct tokens (the default), detail-dense notes keep more tokens than plain ones."""
+by distinct tokens (the default), detail-dense notes keep more tokens than plain ones, and the
+shares of issue 16's 640 x 480 pair never flip as keep goes down."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageDraw, ImageFont
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from zipmoe.serve import TRAINED_CHECKPOINT
 from zipmoe.build import notes_data
+from zipmoe.image_pipeline import ImageConfig
 from zipmoe.vision import VisionEncoder, pixels_of
 from zipmoe.visionzip import compress, distinct_token_count
 
@@ -54,3 +58,31 @@ def test_importance_mass_per_image(requests):
 def test_unknown_weighting_fails_at_load():
     with pytest.raises(ValueError, match="budget weighting"):
         VisionEncoder(TRAINED_CHECKPOINT, torch.device("cpu"), torch.float32, budget_weighting="area")
+
+
+def issue_pair() -> list[Image.Image]:
+    """Issue 16's request: 640 x 480 lines of receipt text, and a plain ellipse on a flat background,
+    resized as the checkpoint's image processor does (576 x 416: 234 tokens each)."""
+    receipt = Image.new("RGB", (640, 480), (250, 250, 248))
+    draw, font = ImageDraw.Draw(receipt), ImageFont.load_default(size=16)
+    for k in range(14):
+        y = 20 + k * 440 / 14
+        draw.text((20, y), f"ITEM {chr(65 + k)}{k:02d}", font=font, fill=(20, 20, 30))
+        draw.text((620, y), f"{(k * 37) % 90 + 1}.{(k * 13) % 100:02d}", font=font, fill=(20, 20, 30), anchor="ra")
+    ellipse = Image.new("RGB", (640, 480), (235, 235, 235))
+    ImageDraw.Draw(ellipse).ellipse((160, 120, 480, 360), fill=(200, 40, 40))
+    cfg = ImageConfig.from_checkpoint(TRAINED_CHECKPOINT)
+    height, width = smart_resize(480, 640, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return [im.resize((width, height), Image.BICUBIC) for im in (receipt, ellipse)]
+
+
+def test_issue_pair_shares_never_flip():
+    """Before, the global top-k kept 176 / 105 tokens at keep 0.6 but 66 / 74 at 0.3."""
+    features = VisionEncoder(TRAINED_CHECKPOINT, torch.device("cpu"), torch.float32).features(
+        [pixels_of(im) for im in issue_pair()])
+    assert [f.embeds.shape[0] for f in features] == [234, 234]
+    assert features[0].importance.sum() > features[1].importance.sum()  # the text has more distinct tokens
+    kept = [[t.embeds.shape[0] for t in compress(features, k / 10)] for k in range(2, 10)]
+    assert all(text >= plain for text, plain in kept)
+    assert kept[1][0] > kept[1][1] and kept[4][0] > kept[4][1]  # at 0.3 as at 0.6
+    assert all(a <= b for low, high in zip(kept, kept[1:]) for a, b in zip(low, high))

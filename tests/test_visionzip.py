@@ -1,4 +1,4 @@
-"""VisionZip with a global budget: importance, budget, global competition, floors, folding."""
+"""VisionZip with one budget per request: importance, budget, shares by weight, floors, folding."""
 import math
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from zipmoe.kernels.attention_importance import patch_importance_reference
-from zipmoe.visionzip import apply_selection, distinct_token_count, merged_importance, select_tokens, weigh_images
+from zipmoe.visionzip import (apply_selection, apportion, distinct_token_count, merged_importance, select_tokens,
+                              weigh_images)
 
 MIXES = [[16], [16, 64, 100, 256], [3, 64], [16, 64, 101], [7, 5, 9]]
 RATIOS = [0.01, 0.1, 0.25, 1 / 3, 0.5, 0.7, 0.95, 1.0]
@@ -22,14 +23,23 @@ def _expected_budget(sizes, ratio, min_per_image=4):
     return min(sum(sizes), max(floors, math.floor(ratio * sum(sizes) + 0.5)))
 
 
-def _expected_dominant(importance, n_dominant, min_per_image=4):
-    """The spec in plain Python: per-image floors, then a global top over what is left."""
-    ranked = lambda cands: sorted(cands, key=lambda c: (-importance[c[0]][c[1]].item(), c))
-    chosen = set()
-    for i, imp in enumerate(importance):
-        chosen |= set(ranked([(i, j) for j in range(len(imp))])[:min(len(imp), min_per_image)])
-    pool = [(i, j) for i, imp in enumerate(importance) for j in range(len(imp)) if (i, j) not in chosen]
-    return chosen | set(ranked(pool)[: n_dominant - len(chosen)])
+def _webster(weights, total, caps):
+    """apportion's spec, one unit at a time: the next unit goes to the highest w_i / (n_i + 1/2)
+    below its cap, ties to the heavier item, then the earlier one."""
+    counts = [0] * len(weights)
+    for _ in range(total):
+        best = max((i for i in range(len(weights)) if counts[i] < caps[i]),
+                   key=lambda i: (weights[i] / (counts[i] + 0.5), weights[i], -i))
+        counts[best] += 1
+    return counts
+
+
+def _expected_counts(importance, budget, min_per_image=4):
+    """Floors, then the rest of the budget by Webster over each image's importance sum."""
+    floors = [min(len(imp), min_per_image) for imp in importance]
+    above = _webster([float(imp.double().sum()) for imp in importance], budget - sum(floors),
+                     [len(imp) - f for imp, f in zip(importance, floors)])
+    return [f + a for f, a in zip(floors, above)]
 
 
 @pytest.mark.parametrize("sizes", MIXES)
@@ -40,13 +50,19 @@ def test_budget_is_met_exactly_and_selection_follows_the_spec(sizes, ratio):
     budget = _expected_budget(sizes, ratio)
     assert sum(len(s.kept) for s in sels) == budget
 
-    n_context = sum(int(s.is_context.sum()) for s in sels)
-    dominant = {(i, j) for i, s in enumerate(sels) for j in s.kept[~s.is_context].tolist()}
-    assert dominant == _expected_dominant(importance, budget - n_context)
+    counts = _expected_counts(importance, budget)
+    assert [len(s.kept) for s in sels] == counts
+    room = [min(k - min(len(imp), 4), len(imp) - k) for imp, k in zip(importance, counts)]
+    n_context = 0 if budget == sum(sizes) else min(sum(room), math.floor(0.05 * budget + 0.5))
+    assert sum(int(s.is_context.sum()) for s in sels) == n_context
 
-    for s, imp, k in zip(sels, importance, keys):
+    for s, imp, k, r in zip(sels, importance, keys, room):
         n = len(imp)
         assert len(s.kept) >= min(n, 4)  # floor
+        assert int(s.is_context.sum()) <= r
+        # The image's own top tokens by importance (ties: lower token) are its dominant ones.
+        dominant = sorted(range(n), key=lambda j: (-imp[j].item(), j))[: len(s.kept) - int(s.is_context.sum())]
+        assert s.kept[~s.is_context].tolist() == sorted(dominant)
         assert s.kept.dtype == torch.long and s.assign.dtype == torch.long
         assert torch.all(s.kept[1:] > s.kept[:-1])  # ascending, original order
         assert torch.equal(s.assign[s.kept], torch.arange(len(s.kept)))  # kept tokens map to themselves
@@ -84,10 +100,27 @@ def test_keep_ratio_out_of_range():
 
 def test_ties_are_broken_by_image_then_token():
     ones = [torch.ones(8), torch.ones(8)]
-    sels = select_tokens(ones, [torch.randn(8, 4), torch.randn(8, 4)], 0.5, context_fraction=0.0,
-                         min_per_image=2)
-    assert sels[0].kept.tolist() == [0, 1, 2, 3, 4, 5]
-    assert sels[1].kept.tolist() == [0, 1]
+    keys = [torch.randn(8, 4), torch.randn(8, 4)]
+    sels = select_tokens(ones, keys, 0.5, context_fraction=0.0, min_per_image=2)
+    assert [s.kept.tolist() for s in sels] == [[0, 1, 2, 3], [0, 1, 2, 3]]  # equal weights, equal shares
+    sels = select_tokens(ones, keys, 9 / 16, context_fraction=0.0, min_per_image=2)
+    assert [s.kept.tolist() for s in sels] == [[0, 1, 2, 3, 4], [0, 1, 2, 3]]  # the odd token: first image
+
+
+def test_apportion_follows_the_sequential_spec_and_is_house_monotone():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        m = 1 + trial % 5
+        weights = (torch.rand(m, generator=g) * 10).tolist()
+        if trial % 3 == 0:
+            weights[-1] = weights[0]  # a tie in weight
+        caps = torch.randint(0, 12, (m,), generator=g).tolist()
+        previous = [0] * m
+        for total in range(sum(caps) + 1):
+            counts = apportion(weights, total, caps)
+            assert counts == _webster(weights, total, caps)
+            assert all(p <= c <= cap for p, c, cap in zip(previous, counts, caps))
+            previous = counts
 
 
 def test_detail_image_gets_more_budget_handmade():
@@ -99,9 +132,11 @@ def test_detail_image_gets_more_budget_handmade():
     assert len(sels[0].kept) + len(sels[1].kept) == round(0.3 * 128)
 
 
-def test_detail_image_gets_more_budget_from_attention():
+def test_attention_picks_tokens_inside_an_image_not_its_share():
     """Image A: every query attends to a sparse pattern of half its merged tokens (text-like
-    detail, a few of them much hotter); image B: uniform attention. One budget for both."""
+    detail, a few of them much hotter); image B: uniform attention. One budget for both: as images
+    of one size their unweighted importance sums to the same mass, so they get the same share
+    (weigh_images is what moves it), and A keeps its detail tokens."""
     heads, d, side = 2, 8, 16
     n = side * side  # patches per image; merged tokens = n // 4
     scale = d ** -0.5
@@ -122,8 +157,9 @@ def test_detail_image_gets_more_budget_from_attention():
     assert imp_a[hot].min() > 4.0 > imp_a[1::2].max()  # detail tokens above uniform, the rest below
 
     keys = list(torch.randn(2, n // 4, 8, generator=torch.Generator().manual_seed(1)))
-    sel_a, sel_b = select_tokens([imp_a, imp_b], keys, 0.3)
-    assert len(sel_a.kept) > len(sel_b.kept)
+    assert imp_a.sum().item() == pytest.approx(imp_b.sum().item(), rel=1e-5)
+    sel_a, sel_b = select_tokens([imp_a, imp_b], keys, 0.6)
+    assert abs(len(sel_a.kept) - len(sel_b.kept)) <= 1
     assert set(hot.tolist()) <= set(sel_a.kept[~sel_a.is_context].tolist())
 
 
