@@ -3,6 +3,7 @@
 Each call yields one dict per server response: `text_output` (the text delta when streaming,
 the whole answer otherwise), `input_token_count`, `output_token_count`, `finish_reason`.
 Images go as file bytes over gRPC and as base64 text in HTTP's JSON (the server decodes both).
+An error the server answers raises ServerError; an overloaded server's refusal, ServerBusy.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
+from zipmoe.serving.errors import SERVER_BUSY
 from zipmoe.serving.interface import CLIENT_INPUTS, CLIENT_OUTPUTS
 
 # STRING inputs take lists of str/bytes.
@@ -29,6 +31,16 @@ class ServerError(RuntimeError):
 
 class ServerUnavailable(ServerError):
     """The server could not be reached, or the connection broke."""
+
+
+class ServerBusy(ServerError):
+    """The server refused the request for overload before generating anything: retry it later."""
+
+
+def _server_error(message: str) -> ServerError:
+    # Server 2.51 shows clients no error code here (gRPC streams carry only a message, and HTTP
+    # generate's status is unreliable: see models/io.py error_response), so busy is known by its phrase.
+    return (ServerBusy if SERVER_BUSY in message else ServerError)(message)
 
 
 def _array(name: str, value) -> np.ndarray:
@@ -68,7 +80,7 @@ def _grpc_response(result, error) -> tuple[dict | None, bool]:
     """One stream message -> (its outputs, or None for the empty final response; whether it is the
     last). An error message from the server raises ServerError."""
     if error is not None:
-        raise ServerError(str(error))
+        raise _server_error(str(error))
     response = result.get_response()
     final = response.parameters.get("triton_final_response")
     outputs = _decode({o.name: result.as_numpy(o.name) for o in response.outputs}) if response.outputs else None
@@ -149,9 +161,13 @@ def _http_body(inputs: dict) -> bytes:
 
 def _http_result(obj: dict) -> dict:
     if "error" in obj:
-        raise ServerError(obj["error"])
+        raise _server_error(obj["error"])
     return {k: (obj[k][0] if isinstance(obj.get(k), list) and k not in LIST_OUTPUTS else obj[k])
             for k in CLIENT_OUTPUTS if k in obj}
+
+
+def _http_error(e: urllib.error.HTTPError) -> ServerError:
+    return _server_error(json.loads(e.read() or b"{}").get("error", str(e)))
 
 
 def http_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> dict:
@@ -163,7 +179,7 @@ def http_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return _http_result(json.loads(r.read()))
     except urllib.error.HTTPError as e:
-        raise ServerError(json.loads(e.read() or b"{}").get("error", str(e))) from None
+        raise _http_error(e) from None
 
 
 def http_generate_stream(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> Iterator[dict]:
@@ -177,7 +193,7 @@ def http_generate_stream(url: str, model: str = "mm_qa", timeout: float = 300, *
                 if line.startswith(b"data:"):
                     yield _http_result(json.loads(line[5:]))
     except urllib.error.HTTPError as e:
-        raise ServerError(json.loads(e.read() or b"{}").get("error", str(e))) from None
+        raise _http_error(e) from None
 
 
 def scrape_metrics(url: str) -> dict[str, float]:

@@ -1,8 +1,10 @@
 """serving.decoder.DecoderService driven directly (no Triton): admission, streaming windows, stop
-strings, cancellation mid-stream, refused requests, and its metrics."""
+strings, cancellation mid-stream, refused requests, overload (the bounded wait), and its metrics."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -12,14 +14,14 @@ from zipmoe.detokenize import TokenBytes, window_text
 from zipmoe.engine.engine import EngineConfig, LLMEngine, RequestError
 from zipmoe.serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecoderConfig, DecoderService,
                                     VisualTokens)
-from zipmoe.serving.errors import BadInput
+from zipmoe.serving.errors import BadInput, ServerBusy
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
 
 class Sink:
     def __init__(self, cancel_after: int | None = None):
-        self.responses, self.errors, self.finals = [], [], 0
+        self.responses, self.errors, self.finals, self.busy = [], [], 0, False
         self.cancel_after = cancel_after
         self.done = threading.Event()
 
@@ -30,8 +32,9 @@ class Sink:
             self.finals += 1
             self.done.set()
 
-    def send_error(self, message):
+    def send_error(self, message, busy=False):
         self.errors.append(message)
+        self.busy = busy
         self.done.set()
 
     def is_cancelled(self):
@@ -41,16 +44,40 @@ class Sink:
         return "".join(window_text(token_bytes, r.output_ids.tolist(), *r.text_range) for r in self.responses)
 
 
-@pytest.fixture()
-def service(tiny_checkpoint):
-    engine = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
-                                                     max_num_batched_tokens=512))
+def make_service(checkpoint, max_num_seqs: int = 64, **config) -> DecoderService:
+    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
+                                                max_num_batched_tokens=512, max_num_seqs=max_num_seqs))
     published, observed = [], []
-    svc = DecoderService(engine, TokenBytes.from_tokenizer_json(tiny_checkpoint), DecoderConfig(default_max_tokens=5),
+    svc = DecoderService(engine, TokenBytes.from_tokenizer_json(checkpoint), DecoderConfig(**config),
                          publish=published.append, observe=lambda name, value: observed.append((name, value)))
     svc.published, svc.observed = published, observed
+    return svc
+
+
+@pytest.fixture()
+def service(tiny_checkpoint):
+    svc = make_service(tiny_checkpoint, default_max_tokens=5)
     yield svc
     svc.shutdown()
+
+
+@pytest.fixture()
+def one_seat(tiny_checkpoint):
+    """A service that runs one sequence at a time, so that the next ones wait; `holder` occupies it."""
+    def start(**config):
+        svc = make_service(tiny_checkpoint, max_num_seqs=1, **config)
+        holder = Sink()
+        svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 240, "ignore_eos": True}, tag="holder"), holder)
+        deadline = time.monotonic() + 60
+        while not holder.responses:  # admitted: it no longer counts as waiting
+            assert time.monotonic() < deadline and not holder.done.wait(0.01)
+        services.append(svc)
+        return svc, holder
+
+    services = []
+    yield start
+    for svc in services:
+        svc.shutdown()
 
 
 def run(service, options, ids=PROMPT, visual=None, sink=None):
@@ -167,3 +194,48 @@ def test_cancel_by_tag_stops_that_request_only(service):
     assert other.responses[-1].output_token_count == 20
     assert service.counts["requests_cancelled"] == 1
     assert service.engine.blocks.num_free == service.engine.blocks.num_blocks
+
+
+def test_requests_beyond_max_waiting_are_refused_busy_and_the_waiting_ones_answered(one_seat):
+    service, holder = one_seat(max_waiting_requests=2)
+    waiting = [Sink(), Sink()]
+    for sink in waiting:
+        service.submit(DecodeRequest(PROMPT, {"max_tokens": 3, "ignore_eos": True}), sink)
+    with pytest.raises(ServerBusy, match=r"^server busy: 2 requests waiting in moe_decoder "
+                                         r"\(max_waiting_requests 2\); retry later$"):
+        service.submit(DecodeRequest(PROMPT, {"max_tokens": 3}), Sink())
+    with pytest.raises(RequestError, match="max_tokens"):  # a bad request is still told what is wrong with it
+        service.submit(DecodeRequest(PROMPT, {"max_tokens": 0}), Sink())
+    service.cancel("holder")
+    assert all(sink.done.wait(60) for sink in waiting)
+    assert [sink.responses[-1].output_token_count for sink in waiting] == [3, 3]
+    assert run(service, {"max_tokens": 2, "ignore_eos": True}).responses[-1].output_token_count == 2  # room again
+    assert service.published[-1]["requests_rejected_busy"] == 1
+
+
+def test_the_bound_holds_when_many_threads_submit_at_once(one_seat):
+    service, holder = one_seat(max_waiting_requests=3)
+
+    def submit(_):
+        try:
+            service.submit(DecodeRequest(PROMPT, {"max_tokens": 2}), Sink())
+            return "queued"
+        except ServerBusy:
+            return "busy"
+
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(submit, range(16)))
+    assert outcomes.count("queued") == 3 and service.counts["requests_rejected_busy"] == 13
+
+
+def test_a_request_not_admitted_within_the_queue_delay_is_refused_busy(one_seat):
+    service, holder = one_seat(max_queue_delay_ms=50)
+    late = Sink()
+    service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 3}), late)
+    assert late.done.wait(10)
+    assert late.busy and not late.responses and late.errors == [
+        "server busy: not admitted within max_queue_delay_ms 50 in moe_decoder; retry later"]
+    assert not holder.done.is_set()  # the running request goes on
+    assert len(service.engine.scheduler.waiting) == 0 and service.counts["requests_rejected_busy"] == 1
+    service.cancel("holder")
+    assert holder.done.wait(60) and holder.finals == 1

@@ -1,6 +1,6 @@
 """The OpenAI frontend without Triton: chat requests -> mm_qa inputs (openai_frontend.chat), and the
 ASGI app under uvicorn over a fake mm_qa, driven by the official `openai` client and by httpx
-(streaming format, errors in OpenAI's shape, a disconnect cancelling the request)."""
+(streaming format, errors in OpenAI's shape, busy as a 503 to retry, a disconnect cancelling the request)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +20,7 @@ from zipmoe.openai_frontend.server import OpenAIFrontend
 MODELS = ("mm_qa", "mm_qa_bls")
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")
 DATA_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
+BUSY = "server busy: 2 requests waiting in moe_decoder (max_waiting_requests 2); retry later"
 
 
 def user(*parts) -> dict:
@@ -88,6 +89,9 @@ def test_triton_errors_are_the_client_s_unless_the_server_says_otherwise():
     assert server_error("vision_encoder: internal error: RuntimeError('x')").status == 500
     assert server_error("the server is shutting down").status == 503
     assert server_error("failed to connect", unavailable=True).status == 503
+    busy = server_error(f"in ensemble 'mm_qa', {BUSY}")
+    assert (busy.status, busy.headers, busy.body["error"]["type"]) == (503, {"retry-after": "1"}, "server_error")
+    assert server_error("the server is shutting down").headers == {}
 
 
 # ---------------------------------------------------------------- the app over a fake mm_qa
@@ -191,6 +195,18 @@ def test_bad_json_and_unknown_paths_answer_in_openai_s_shape(frontend):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.get(frontend.url + "/completions")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_busy_is_a_503_with_retry_after_which_the_openai_client_retries(frontend, fake, stream):
+    fake.fail, fake.fail_message = 0, BUSY
+    r = httpx.post(frontend.url + "/chat/completions", json={"model": "mm_qa", "messages": [user("q")],
+                                                             "stream": stream})
+    assert (r.status_code, r.headers["retry-after"], r.json()["error"]["message"]) == (503, "1", BUSY)
+    patient = openai.OpenAI(base_url=frontend.url, api_key="none", max_retries=1)
+    with pytest.raises(openai.InternalServerError, match="server busy"):
+        patient.chat.completions.create(model="mm_qa", messages=[user("q")])
+    assert len(fake.requests) == 3  # the httpx request, then the openai client's request and its one retry
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -1,5 +1,5 @@
 """serving.pipeline (mm_qa_bls's orchestration) driven directly, its models faked: relaying, the
-feature cache, shared vision batches, cancellation mid-stream, errors, and validation."""
+feature cache, shared vision batches, cancellation mid-stream, errors, validation and overload."""
 from __future__ import annotations
 
 import threading
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from zipmoe.serving.errors import BadInput, ModelError
-from zipmoe.serving.pipeline import (CACHE_METRICS, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
+from zipmoe.models.io import SyncedMetric
+from zipmoe.serving.errors import BadInput, ModelError, ServerBusy
+from zipmoe.serving.pipeline import (METRICS, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
                                      renumber_images)
 from zipmoe.visionzip import ImageFeatures, VisionZipConfig
 
@@ -51,8 +52,10 @@ class Stream:
 
 
 class Calls:
-    def __init__(self, responses: int = 4, fail_at: int | None = None, bad_image: bytes | None = None):
+    def __init__(self, responses: int = 4, fail_at: int | None = None, bad_image: bytes | None = None,
+                 gate: threading.Event | None = None, busy: str | None = None):
         self.responses, self.fail_at, self.bad_image = responses, fail_at, bad_image
+        self.gate, self.busy = gate, busy  # decode waits for the gate; answers busy
         self.encoded, self.decoded, self.streams = [], [], []
 
     def tokenize(self, question, images):
@@ -66,6 +69,10 @@ class Calls:
 
     def decode(self, inputs):
         self.decoded.append(inputs)
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if self.busy is not None:
+            raise ServerBusy(self.busy)
         self.streams.append(Stream(self.responses, self.fail_at))
         return self.streams[-1]
 
@@ -75,15 +82,15 @@ class Calls:
 
 class Sink:
     def __init__(self, cancel_after: int | None = None):
-        self.sent, self.error, self.cancel_after = [], None, cancel_after
+        self.sent, self.error, self.busy, self.cancel_after = [], None, False, cancel_after
         self.closed = threading.Event()
         self.drained_before_close = None
 
     def send(self, outputs):
         self.sent.append(outputs)
 
-    def close(self, error):
-        self.error = error
+    def close(self, error, busy=False):
+        self.error, self.busy = error, busy
         self.closed.set()
 
     def is_cancelled(self):
@@ -122,7 +129,7 @@ def test_repeated_images_come_from_the_cache_once_each():
     ask(p, images=[b"a", b"b", b"a"])
     ask(p, images=[b"b", b"c"])
     assert calls.encoded == [[b"a", b"b"], [b"c"]]
-    assert published[-1]["hits"] == 1 and published[-1]["misses"] == 3 and set(published[-1]) == set(CACHE_METRICS)
+    assert published[-1]["hits"] == 1 and published[-1]["misses"] == 3 and set(published[-1]) == set(METRICS)
 
 
 def test_cancel_mid_stream_stops_relaying_reads_the_decoder_to_its_end_then_closes():
@@ -190,3 +197,39 @@ def test_waiting_requests_share_one_vision_call_and_errors_stay_with_their_owner
         assert rest[2].result(5) == ["features of d"]
     assert calls[1] == [b"b", b"c", b"bad", b"d"]  # the three waiting requests went as one call
     assert [b"bad"] in calls[2:] and [b"d"] in calls[2:]  # then, after it failed, one by one
+
+
+def test_requests_beyond_max_waiting_are_refused_busy_and_the_others_answered():
+    gate, published = threading.Event(), []
+    calls = Calls(gate=gate)
+    p = pipeline(calls, published, max_concurrent_requests=1, max_waiting_requests=1)
+    running, waiting = Sink(), Sink()
+    p.submit(QARequest("q", [], None, {}), running)
+    deadline = time.monotonic() + 5
+    while not calls.decoded:  # on the only worker, held at the decoder
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    p.submit(QARequest("q", [], None, {}), waiting)
+    with pytest.raises(ServerBusy, match=r"^server busy: 1 requests waiting in mm_qa_bls "
+                                         r"\(max_waiting_requests 1\); retry later$"):
+        p.submit(QARequest("q", [], None, {}), Sink())
+    assert published[-1]["rejected_busy"] == 1
+    gate.set()
+    for sink in (running, waiting):
+        assert sink.closed.wait(10) and sink.error is None and len(sink.sent) == 4
+    assert ask(p).error is None  # room again
+
+
+def test_a_busy_decoder_is_passed_on_as_busy():
+    message = "server busy: 2 requests waiting in moe_decoder (max_waiting_requests 2); retry later"
+    sink = ask(pipeline(Calls(busy=message)))
+    assert (sink.error, sink.busy, sink.sent) == (message, True, [])
+
+
+def test_a_counter_value_read_before_another_thread_s_larger_one_is_not_sent():
+    """Workers and Triton's thread both publish stats(): a stale, smaller value must not shrink a counter."""
+    sent = []
+    counter = SyncedMetric(type("Metric", (), {"increment": lambda self, n: sent.append(n)})(), counter=True)
+    for value in (2, 5, 3, 5, 7):
+        counter.sync(value)
+    assert sent == [2, 3, 2]

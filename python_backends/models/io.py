@@ -83,7 +83,8 @@ class SyncedMetric:
 
     def sync(self, value) -> None:
         with self._lock:
-            if value == self.sent:
+            # Unchanged, or a counter's value read before another thread's larger one was sent.
+            if value == self.sent or (self.counter and value < self.sent):
                 return
             if self.counter:
                 self.metric.increment(value - self.sent)
@@ -136,5 +137,10 @@ def as_torch(tensor) -> torch.Tensor:
     return torch.from_dlpack(tensor.to_dlpack())
 
 
-def error_response(pb_utils, message: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def error_response(pb_utils, message: str, busy: bool = False):
+    """busy (serving.errors.ServerBusy) gets Triton's UNAVAILABLE code, which ensembles keep. No client of
+    server 2.51 sees that code (gRPC streams carry only the message; HTTP generate reads the code of an
+    error it has already freed, and answered 400 in our tests; BLS responses keep only the message), so
+    clients know busy by its phrase, serving.errors.SERVER_BUSY."""
+    error = pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE) if busy else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -25,9 +25,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..image_input import decode_images
-from ..serving.errors import BadInput, ModelError, internal_error
+from ..serving.errors import SERVER_BUSY, BadInput, ModelError, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS
-from ..serving.pipeline import CACHE_GAUGES, CACHE_METRICS, QAPipeline, QARequest, split_features
+from ..serving.pipeline import GAUGES, METRICS, QAPipeline, QARequest, split_features
 from ..settings import parse_parameters, settings_of
 from ..visionzip import VisionZipConfig
 from .io import Metrics, as_torch, as_triton, error_response, get_input, load_settings, scalar, strings
@@ -48,8 +48,11 @@ def bls_request(model: str, inputs: dict, outputs: list[str]):
 
 
 def check(response) -> None:
+    """Raises the error a composed model answered. moe_decoder's busy error is known by its phrase: a
+    BLS response of server 2.51 keeps only the message (request_executor.cc: every code is INTERNAL)."""
     if response.has_error():
-        raise ModelError(response.error().message())
+        message = response.error().message()
+        raise (ServerBusy if message.startswith(SERVER_BUSY) else ModelError)(message)
 
 
 def infer(model: str, inputs: dict, outputs: list[str]) -> dict:
@@ -120,8 +123,8 @@ class Sink:
         self.sender.send(pb_utils.InferenceResponse([t if isinstance(t, pb_utils.Tensor) else as_triton(pb_utils, n, t)
                                                      for n, t in outputs.items()]))
 
-    def close(self, error: str | None) -> None:
-        self.sender.send(None if error is None else error_response(pb_utils, error), flags=FINAL)
+    def close(self, error: str | None, busy: bool = False) -> None:
+        self.sender.send(None if error is None else error_response(pb_utils, error, busy), flags=FINAL)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -143,8 +146,8 @@ class TritonPythonModel:
     def initialize(self, args):
         (config,) = load_settings(args, "mm_qa_bls")
         self._metric_families = families = Metrics(pb_utils, "mm_qa_bls")
-        self.metrics = {name: (families.gauge if name in CACHE_GAUGES else families.counter)(*metric)
-                        for name, metric in CACHE_METRICS.items()}
+        self.metrics = {name: (families.gauge if name in GAUGES else families.counter)(*metric)
+                        for name, metric in METRICS.items()}
         self.pipeline = QAPipeline(BlsCalls(), config, vision_encoder_visionzip(args), publish=self._publish,
                                    log_error=pb_utils.Logger.log_error)
 
@@ -164,6 +167,8 @@ class TritonPythonModel:
                 self.pipeline.submit(qa, sink)
             except (BadInput, UnicodeDecodeError) as e:
                 sink.close(f"mm_qa_bls: {e}")
+            except ServerBusy as e:
+                sink.close(str(e), busy=True)
             except Exception as e:  # a bug fails this request alone, never the batch
                 pb_utils.Logger.log_error(f"mm_qa_bls: request refused: {e!r}")
                 sink.close(internal_error("mm_qa_bls", e))

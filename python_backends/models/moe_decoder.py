@@ -14,7 +14,7 @@ from ..detokenize import TokenBytes
 from ..engine.engine import LLMEngine, RequestError
 from ..serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecodeResponse, DecoderService,
                                VisualTokens)
-from ..serving.errors import BadInput, internal_error
+from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
 from .io import Metrics, as_torch, error_response, get_input, load_settings, read_options, resolve_checkpoint, scalar
 
@@ -41,8 +41,8 @@ class Sink:
         ]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=flags)
 
-    def send_error(self, message: str) -> None:
-        self.sender.send(error_response(pb_utils, message), flags=FINAL)
+    def send_error(self, message: str, busy: bool = False) -> None:
+        self.sender.send(error_response(pb_utils, message, busy), flags=FINAL)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -106,6 +106,8 @@ class TritonPythonModel:
                                                   visual_tokens(request, self.device), tag), sink)
             except (BadInput, RequestError) as e:
                 sink.send_error(str(e))
+            except ServerBusy as e:
+                sink.send_error(str(e), busy=True)
             except Exception as e:  # a bug or a device error fails this request alone, never the batch
                 pb_utils.Logger.log_error(f"moe_decoder: request refused: {e!r}")
                 sink.send_error(internal_error("moe_decoder", e))

@@ -137,14 +137,16 @@ class ChatResponse(Response):
             if streaming:  # headers went out already: the error is the stream's last event
                 await send({"type": "http.response.body", "body": _event(error.body) + _event(b"[DONE]")})
             else:
-                await _send(send, error.status, "application/json", json.dumps(error.body).encode())
+                await _send(send, error.status, "application/json", json.dumps(error.body).encode(), error.headers)
         finally:
             gone.cancel()
             await responses.aclose()
 
 
-async def _send(send, status: int, content_type: str, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type.encode())]})
+async def _send(send, status: int, content_type: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+    headers = {"content-type": content_type, **(headers or {})}
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -3,7 +3,7 @@
 `parse_chat` checks a `/v1/chat/completions` body and maps it onto mm_qa's inputs
 (`serving.interface.CLIENT_INPUTS`); `completion`, `chunk` and `usage_chunk` build the JSON the
 client gets back from mm_qa's outputs; `OpenAIError` is an error in OpenAI's shape with its HTTP
-status, and `server_error` classifies the message of an error that Triton sent.
+status (and headers), and `server_error` classifies the message of an error that Triton sent.
 
 mm_qa answers one question about a list of images, so a chat becomes one question: the text of
 the last message (which must be the user's) is the question when it is the only message; otherwise
@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..image_input import image_bytes
-from ..serving.errors import INTERNAL_ERROR, SHUTTING_DOWN, BadInput
+from ..serving.errors import INTERNAL_ERROR, SERVER_BUSY, SHUTTING_DOWN, BadInput
 
 ROLES = ("system", "developer", "user", "assistant")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # mm_qa's -> OpenAI's
@@ -28,14 +28,19 @@ EXTENSIONS = {"top_k": int, "ignore_eos": bool, "visual_keep_ratio": float}
 UNSUPPORTED = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
                "functions": (None, []), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
                "presence_penalty": (None, 0, 0.0)}
+# Retry-After of a busy refusal, in seconds: waiting requests are admitted as running ones finish, so
+# the queue moves within seconds. The openai clients wait that long and retry a 503 (twice by default).
+RETRY_AFTER_S = 1
 
 
 class OpenAIError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = {} if retry_after is None else {"retry-after": str(retry_after)}
 
     @property
     def body(self) -> dict:
@@ -45,7 +50,10 @@ class OpenAIError(Exception):
 
 def server_error(message: str, unavailable: bool = False) -> OpenAIError:
     """An error Triton answered (or could not be reached, `unavailable`): the client's fault unless the
-    server says otherwise (gRPC stream errors carry only a message; see serving.errors)."""
+    server says otherwise (gRPC stream errors carry only a message; see serving.errors). Busy is 503,
+    not 429: the server as a whole is overloaded, not this client over a quota of its own."""
+    if SERVER_BUSY in message:  # nothing was generated: the same request may be sent again
+        return OpenAIError(503, message, retry_after=RETRY_AFTER_S)
     if unavailable or SHUTTING_DOWN in message:
         return OpenAIError(503, message)
     if INTERNAL_ERROR in message:

@@ -3,12 +3,14 @@
 `models/moe_decoder.py` turns each Triton request into a `DecodeRequest` and a `ResponseSink`
 (its response sender) and calls `submit()`, which splices the kept visual tokens into the prompt,
 checks the request against the engine's limits and queues it — a bad request is refused there,
-never in the middle of a batched step. The engine thread admits queued requests between steps
-(so they join the running batch at the next step), drops cancelled ones (their KV blocks freed
-before the next step), runs one step, and answers each sequence through its sink: one
-`DecodeResponse` per token when streaming, one at the end otherwise. Each response carries a
-window of token ids and the byte range of it that is new text (`detokenize.TextStream`), which
-postprocess turns into a UTF-8-safe text delta.
+never in the middle of a batched step. So is overload (`ServerBusy`): at most `max_waiting_requests`
+wait for admission, each holding its visual tokens in this model's memory, and one not admitted
+within `max_queue_delay_ms` is answered busy (it has produced nothing yet). The engine thread
+admits queued requests between steps (so they join the running batch at the next step), drops
+cancelled ones (their KV blocks freed before the next step), runs one step, and answers each
+sequence through its sink: one `DecodeResponse` per token when streaming, one at the end
+otherwise. Each response carries a window of token ids and the byte range of it that is new text
+(`detokenize.TextStream`), which postprocess turns into a UTF-8-safe text delta.
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ import torch
 from ..detokenize import TextStream, TokenBytes
 from ..engine.engine import LLMEngine
 from ..engine.multimodal import VisualInputs, splice_images
-from ..engine.sequence import SamplingParams, Sequence
+from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import setting
-from .errors import SHUTTING_DOWN, BadInput, internal_error
+from .errors import SHUTTING_DOWN, BadInput, internal_error, server_busy
 
 METRICS_PERIOD_S = 0.1
 
@@ -39,6 +41,8 @@ COUNTERS = {
     "prompt_tokens": ("zipmoe_prompt_tokens_total", "Prompt tokens prefilled"),
     "preemptions": ("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks"),
     "requests_cancelled": ("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled"),
+    "requests_rejected_busy": ("zipmoe_requests_rejected_busy_total",
+                               "Requests refused busy: max_waiting_requests waiting, or max_queue_delay_ms passed"),
     # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
     "layer_steps": ("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
     "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
@@ -71,6 +75,9 @@ HISTOGRAMS = {
 class DecoderConfig:
     """moe_decoder's own settings (the engine's are `EngineConfig`)."""
     default_max_tokens: int = setting(64, "max_tokens of a request that sets none", min=1)
+    max_waiting_requests: int = setting(256, "requests submitted and not yet admitted to the engine; more are "
+                                             "refused busy (0: no bound)", min=0)
+    max_queue_delay_ms: int = setting(0, "a request not admitted after this long is refused busy (0: off)", min=0)
 
 
 @dataclass
@@ -112,7 +119,7 @@ class ResponseSink(Protocol):
     raise when the client has gone away."""
 
     def send(self, response: DecodeResponse | None, final: bool) -> None: ...  # None + final: just "done"
-    def send_error(self, message: str) -> None: ...  # the request's final response
+    def send_error(self, message: str, busy: bool = False) -> None: ...  # the final response; busy: ServerBusy
     def is_cancelled(self) -> bool: ...
 
 
@@ -154,11 +161,15 @@ class DecoderService:
         self._publish, self._log_error, self._observe = publish, log_error, observe
         self._inbox: queue.Queue[Pending | Cancel] = queue.Queue()
         self._live: dict[int, Pending] = {}
+        self._unadmitted: dict[int, Pending] = {}  # live requests the scheduler has not admitted yet
+        # Requests submitted and not yet admitted (in the inbox or _unadmitted), what max_waiting_requests
+        # bounds: submit() counts on Triton's thread, the engine thread discounts, so under a lock.
+        self._waiting, self._waiting_lock = 0, threading.Lock()
         self._cancel_tags: set[str] = set()  # tags of live requests that cancel() stops before the next step
         self._stop = threading.Event()
         self._published_at = 0.0
-        self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "ttft_us", "decode_us",
-                                     "decode_tokens", "prompt_tokens", "visual_tokens",
+        self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "requests_rejected_busy", "ttft_us",
+                                     "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
                                      "visual_tokens_kept"), 0)
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
         self._thread.start()
@@ -166,14 +177,28 @@ class DecoderService:
     # --- any thread ----------------------------------------------------------------------------
 
     def submit(self, request: DecodeRequest, sink: ResponseSink) -> None:
-        """Checks and queues a request; a bad one raises BadInput or engine.RequestError (nothing queued)."""
+        """Checks and queues a request; a bad one raises BadInput or engine.RequestError, and one beyond
+        max_waiting_requests ServerBusy (nothing queued)."""
         params = sampling_params(request.options, self.config.default_max_tokens)
         ids, visual, kept, before = self._splice(request)
         self.engine.check_request(ids, params, visual)
+        self._join_waiting()  # after the checks: a request refused busy is one worth retrying as it is
         opt_out = not request.options.get("sere", True)
         self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
                                 TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, before,
                                 opt_out, request.tag))
+
+    def _join_waiting(self) -> None:
+        limit = self.config.max_waiting_requests
+        with self._waiting_lock:
+            if limit and self._waiting >= limit:
+                self.counts["requests_rejected_busy"] += 1
+                raise server_busy(f"{self._waiting} requests waiting in moe_decoder (max_waiting_requests {limit})")
+            self._waiting += 1
+
+    def _leave_waiting(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
 
     def cancel(self, tag: str) -> None:
         """Stops the request submitted with `tag` before its next step, as if its client had cancelled
@@ -247,7 +272,9 @@ class DecoderService:
     def _iterate(self):
         self._admit(block=not self.engine.has_work)
         self._drop_cancelled()
+        self._drop_overdue()
         results = self.engine.step() if self.engine.has_work else []
+        self._note_admitted()
         replies = []
         for seq, token in results:
             p = self._live.get(seq.seq_id)
@@ -287,17 +314,47 @@ class DecoderService:
         try:
             p.seq = self.engine.add_request(p.prompt_ids, p.params, opt_out=p.opt_out, visual=p.visual)
         except Exception as e:  # checked in submit() already; never let one request fail the others
+            self._leave_waiting()
             self._send_error(p, str(e))
         else:
             p.seq.arrival = p.arrival  # time to first token counts from submit()
             self._live[p.seq.seq_id] = p
+            self._unadmitted[p.seq.seq_id] = p
+
+    def _note_admitted(self) -> None:
+        """Discounts the requests the step admitted. A preempted sequence waits again but is not counted:
+        it holds what it holds already, and at most max_num_seqs are preempted."""
+        for seq_id, p in list(self._unadmitted.items()):
+            if p.seq.status is not Status.WAITING:
+                del self._unadmitted[seq_id]
+                self._leave_waiting()
+
+    def _forget(self, p: Pending) -> None:
+        """Takes a request out of the live set, and out of the waiting count if it was never admitted."""
+        self._live.pop(p.seq.seq_id, None)
+        if self._unadmitted.pop(p.seq.seq_id, None) is not None:
+            self._leave_waiting()
+
+    def _drop_overdue(self) -> None:
+        """Refuses busy whoever has waited max_queue_delay_ms without being admitted (so it produced nothing)."""
+        delay_ms = self.config.max_queue_delay_ms
+        if not delay_ms:
+            return
+        now = time.monotonic()
+        for p in [p for p in self._unadmitted.values() if (now - p.arrival) * 1000 > delay_ms]:
+            self.engine.abort(p.seq)
+            self._forget(p)
+            with self._waiting_lock:
+                self.counts["requests_rejected_busy"] += 1
+            busy = server_busy(f"not admitted within max_queue_delay_ms {delay_ms} in moe_decoder")
+            self._send_error(p, str(busy), busy=True)
 
     def _drop_cancelled(self):
         for p in list(self._live.values()):
             if p.sink.is_cancelled() or p.tag in self._cancel_tags:
                 self._cancel_tags.discard(p.tag)
                 self.engine.abort(p.seq)
-                del self._live[p.seq.seq_id]
+                self._forget(p)
                 self.counts["requests_cancelled"] += 1
                 self._send(p, None, final=True)
 
@@ -313,7 +370,7 @@ class DecoderService:
         response = DecodeResponse(np.asarray(seq.output_ids[first:], dtype=np.int32), (begin, end),
                                   len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept)
         if seq.finished:
-            del self._live[seq.seq_id]
+            self._forget(p)
             self._record(p)
         return p, response, seq.finished
 
@@ -334,12 +391,12 @@ class DecoderService:
 
     def _fail(self, p: Pending, message: str):
         self.engine.abort(p.seq)
-        self._live.pop(p.seq.seq_id, None)
+        self._forget(p)
         self._send_error(p, message)
 
-    def _send_error(self, p: Pending, message: str):
+    def _send_error(self, p: Pending, message: str, busy: bool = False):
         try:
-            p.sink.send_error(message)
+            p.sink.send_error(message, busy=busy)
         except Exception:  # the client is gone
             pass
 
@@ -349,4 +406,4 @@ class DecoderService:
         except Exception:  # the client went away between the check and the send
             if not p.seq.finished:
                 self.engine.abort(p.seq)
-                self._live.pop(p.seq.seq_id, None)
+                self._forget(p)

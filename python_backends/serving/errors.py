@@ -9,12 +9,23 @@ class ModelError(RuntimeError):
     """A composed model answered with an error; its message (naming the model) goes to the client."""
 
 
+class ServerBusy(RuntimeError):
+    """Too many requests wait, or one waited too long: refused before it produced anything, so the
+    client may retry it later. The adapters answer it with Triton's UNAVAILABLE code (HTTP 503)."""
+
+
 # gRPC stream errors carry only a message, so clients (the OpenAI frontend) tell a failure that is not
-# the client's (answered 500, or 503 while shutting down) from bad input (400) by these phrases.
+# the client's (answered 500, or 503 while shutting down or busy) from bad input (400) by these phrases.
 INTERNAL_ERROR = "internal error"
 SHUTTING_DOWN = "the server is shutting down"
+SERVER_BUSY = "server busy"
 
 
 def internal_error(where: str, error: BaseException) -> str:
     """The client's message for a bug or a broken device in `where`."""
     return f"{where}: {INTERNAL_ERROR}: {error!r}"
+
+
+def server_busy(why: str) -> ServerBusy:
+    """The busy error, `why` naming the limit reached and the setting that sets it."""
+    return ServerBusy(f"{SERVER_BUSY}: {why}; retry later")

@@ -1,14 +1,15 @@
 """mm_qa_bls's orchestration, without Triton: the mm_qa pipeline with what an ensemble cannot express.
 
 `models/mm_qa_bls.py` turns each Triton request into a `QARequest` and a `ClientSink` and calls
-`submit()`; the composed models are reached through `ModelCalls` (BLS in the adapter). Per
-request, on a worker thread: preprocess -> each image's features from the cache or, for the
-misses (batched with other requests' misses by `VisionBatcher`), image_decode -> vision_encoder at
-keep ratio 1.0 -> VisionZip over all the request's images under one budget -> moe_decoder
-(streams) -> postprocess per response -> client. The cache holds features *before* VisionZip, so a
-cached image serves any keep ratio; it lives in host memory, so this path copies each missed
-image's features to the host once and the kept tokens back to moe_decoder (mm_qa keeps them on
-the GPU all the way).
+`submit()`; the composed models are reached through `ModelCalls` (BLS in the adapter). At most
+`max_waiting_requests` wait for a worker thread; more are refused busy (`ServerBusy`), and so are
+the requests moe_decoder refuses busy. Per request, on a worker thread: preprocess -> each
+image's features from the cache or, for the misses (batched with other requests' misses by
+`VisionBatcher`), image_decode -> vision_encoder at keep ratio 1.0 -> VisionZip over all the
+request's images under one budget -> moe_decoder (streams) -> postprocess per response ->
+client. The cache holds features *before* VisionZip, so a cached image serves any keep ratio; it
+lives in host memory, so this path copies each missed image's features to the host once and the
+kept tokens back to moe_decoder (mm_qa keeps them on the GPU all the way).
 
 Cancellation: relaying stops (no more postprocess calls or sends), moe_decoder is told to stop the
 request (`DecoderStream.cancel`: server 2.51's BLS cannot cancel a call, so the adapter sends a
@@ -31,18 +32,20 @@ import torch
 from ..embedding_cache import EmbeddingCache, content_key
 from ..settings import setting
 from ..visionzip import ImageFeatures, VisionZipConfig, compress, decoder_inputs
-from .errors import SHUTTING_DOWN, BadInput, ModelError, internal_error
+from .errors import SHUTTING_DOWN, BadInput, ModelError, ServerBusy, internal_error, server_busy
 
 # moe_decoder outputs that go to the client as they are (text_output comes from postprocess).
 RELAYED = ("input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept")
-# cache_stats() name -> (Prometheus metric, help), as the adapter publishes them.
-CACHE_METRICS = {
+# stats() name -> (Prometheus metric, help), as the adapter publishes them.
+METRICS = {
     "hits": ("zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
     "misses": ("zipmoe_bls_cache_misses_total", "Images sent to image_decode + vision_encoder"),
     "evictions": ("zipmoe_bls_cache_evictions_total", "Cached images evicted for space"),
     "bytes": ("zipmoe_bls_cache_bytes", "Bytes of vision features cached"),
+    "rejected_busy": ("zipmoe_bls_requests_rejected_busy_total", "Requests refused busy: max_waiting_requests waiting"),
 }
-CACHE_GAUGES = {"bytes"}
+GAUGES = {"bytes"}
+CACHE_STATS = ("hits", "misses", "evictions", "bytes")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,8 @@ class PipelineConfig:
     max_images: int = setting(64, "images per request; more are refused before any work (<= image_decode's)", min=0)
     cache_bytes: int = setting(268435456, "bytes of vision features cached (LRU); 0 disables the cache", min=0)
     max_concurrent_requests: int = setting(64, "requests in progress at once (worker threads); more wait", min=1)
+    max_waiting_requests: int = setting(256, "requests waiting for a worker thread; more are refused busy "
+                                             "(0: no bound)", min=0)
 
 
 @dataclass
@@ -77,7 +82,7 @@ class ModelCalls(Protocol):
 
 class ClientSink(Protocol):
     def send(self, outputs: dict) -> None: ...  # one response, not the last
-    def close(self, error: str | None) -> None: ...  # the final flag, with the request's error if any
+    def close(self, error: str | None, busy: bool = False) -> None: ...  # the final flag, and the error if any
     def is_cancelled(self) -> bool: ...
 
 
@@ -161,12 +166,15 @@ class VisionBatcher:
 class QAPipeline:
     def __init__(self, calls: ModelCalls, config: PipelineConfig, visionzip: VisionZipConfig,
                  publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print):
-        """publish(cache counters) is called after each request's cache lookups."""
+        """publish(stats()) is called after each request's cache lookups and each refusal."""
         self.calls, self.config, self.visionzip = calls, config, visionzip
         self._publish, self._log_error = publish, log_error
         self.cache = EmbeddingCache(config.cache_bytes)
         self.vision = VisionBatcher(calls.encode_images, config.max_images)
         self._queued: dict[Future, ClientSink] = {}  # submitted and not yet finished
+        # Requests submitted and not yet on a worker, what max_waiting_requests bounds (the pool's own
+        # queue has no bound); counted on Triton's thread, discounted on the workers.
+        self._waiting, self._waiting_lock, self.rejected_busy = 0, threading.Lock(), 0
         self.pool = ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="mm_qa_bls")
 
     def check(self, request: QARequest) -> None:
@@ -182,22 +190,40 @@ class QAPipeline:
             raise BadInput(f"visual_keep_ratio must be in (0, 1], got {request.keep_ratio}")
 
     def submit(self, request: QARequest, sink: ClientSink) -> None:
-        """Checks the request (BadInput, nothing started) and answers it on a worker thread."""
+        """Checks the request (BadInput, nothing started) and answers it on a worker thread; ServerBusy
+        when max_waiting_requests wait for one already."""
         self.check(request)
+        self._join_waiting()
         future = self.pool.submit(self._serve, request, sink)
         self._queued[future] = sink
         future.add_done_callback(lambda f: self._queued.pop(f, None) if not f.cancelled() else None)
 
+    def _join_waiting(self) -> None:
+        limit = self.config.max_waiting_requests
+        with self._waiting_lock:
+            waiting = self._waiting
+            if not limit or waiting < limit:
+                self._waiting += 1
+                return
+            self.rejected_busy += 1
+        if self._publish is not None:
+            self._publish(self.stats())
+        raise server_busy(f"{waiting} requests waiting in mm_qa_bls (max_waiting_requests {limit})")
+
     def _serve(self, request: QARequest, sink: ClientSink) -> None:
-        error = None
+        with self._waiting_lock:
+            self._waiting -= 1
+        error, busy = None, False
         try:
             self._answer(request, sink)
+        except ServerBusy as e:  # moe_decoder's: passed on as it came
+            error, busy = str(e), True
         except ModelError as e:
             error = str(e)
         except Exception as e:  # a bug must not leave the client waiting
             self._log_error(f"mm_qa_bls: request failed: {e!r}")
             error = internal_error("mm_qa_bls", e)
-        sink.close(error)
+        sink.close(error, busy)
 
     def _answer(self, request: QARequest, sink: ClientSink) -> None:
         decoder_in = {"input_ids": self.calls.tokenize(request.question, request.images), **request.decoder_inputs}
@@ -238,11 +264,11 @@ class QAPipeline:
                 self.cache.put(key, value)
                 found[key] = value
         if self._publish is not None:
-            self._publish(self.cache_stats())
+            self._publish(self.stats())
         return [found[key] for key in keys]
 
-    def cache_stats(self) -> dict[str, int]:
-        return {name: getattr(self.cache, name) for name in CACHE_METRICS}
+    def stats(self) -> dict[str, int]:
+        return {**{name: getattr(self.cache, name) for name in CACHE_STATS}, "rejected_busy": self.rejected_busy}
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
