@@ -160,7 +160,8 @@ def ask(url: str, item: Item, keep_ratio: float, max_tokens: int, model: str = "
     """One greedy, non-streamed request; any failure comes back as Answer.error, never raised."""
     from zipmoe.clients.triton_client import grpc_generate
 
-    inputs = dict(text_input=item.question, visual_keep_ratio=keep_ratio, max_tokens=max_tokens,
+    # priority 0: measured at exactly keep_ratio, however loaded the server is by the run itself
+    inputs = dict(text_input=item.question, visual_keep_ratio=keep_ratio, priority=0, max_tokens=max_tokens,
                   temperature=0.0, stream=False)
     if item.images:
         inputs["images"] = list(item.images)

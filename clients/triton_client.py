@@ -1,7 +1,8 @@
 """Clients of the `mm_qa` interface: gRPC streaming and HTTP (`generate` / `generate_stream`).
 
 Each call yields one dict per server response: `text_output` (the text delta when streaming,
-the whole answer otherwise), `input_token_count`, `output_token_count`, `finish_reason`.
+the whole answer otherwise), `input_token_count`, `output_token_count`, `finish_reason`,
+`visual_tokens_kept` and `visual_keep_ratio_used` (serving/interface.py CLIENT_OUTPUTS).
 Images go as file bytes over gRPC and as base64 text in HTTP's JSON (the server decodes both).
 An error the server answers raises ServerError; an overloaded server's refusal, ServerBusy.
 """

@@ -50,7 +50,8 @@ def against_topk(rows: list[dict]) -> list[str]:
 def table(result: dict) -> str:
     lines = [f"{result['device']}, {result['checkpoint']}, perf_analyzer {result.get('perf_analyzer')}, "
              f"inputs {result.get('inputs')}, {result.get('distribution')} arrivals"
-             + "".join(f", {m}.{k}={v}" for m, p in result.get("overrides", {}).items() for k, v in p.items()),
+             + "".join(f"\n  {routing}: " + ", ".join(f"{m}.{k}={v}" for m, p in overrides.items() for k, v in p.items())
+                       for routing, overrides in result.get("overrides", {}).items()),
              f"{'workload':<10} {'model':<9} {'routing':<7} {'mode':<11} {'value':>6} {'n':>5} {'err':>4} "
              f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16} {'ITL p99':>8} {'out tok/s':>9} {'req/s':>6} {'experts':>7}"]
     for r in result["rows"]:

@@ -20,7 +20,8 @@ Workloads are make_inputs.py's: `--inputs ci` uses the small files committed in 
 `--inputs full` generates the H200 files into .work/inputs/full/ when missing. A workload ending in
 .json is used as it is. perf_analyzer's libraries are fetched first when missing (deps.py).
 
-Writes PREFIX.json {device, checkpoint, overrides, extra_args, perf_analyzer, distribution, inputs, rows}
+Writes PREFIX.json {device, checkpoint, overrides: {routing: its server's --set}, extra_args, perf_analyzer,
+distribution, inputs, rows}
 after every run (--append keeps the rows of an existing PREFIX.json, replacing those measured again),
 then prints a table and writes PREFIX.png (report.py, which re-renders a saved JSON). A run whose
 perf_analyzer fails (it stops at the first failed request) gives a row with n 0, errors = --requests,
@@ -228,8 +229,9 @@ def main(argv=None) -> int:
     out = report.prefix(args.out) if args.out else None
     saved = out.with_name(out.name + ".json") if out else None
     result = json.loads(saved.read_text()) if args.append and saved.exists() else {"rows": []}
-    result.update(device=device, checkpoint=None, overrides=overrides, extra_args=args.extra_arg,
+    result.update(device=device, checkpoint=None, extra_args=args.extra_arg,
                   perf_analyzer=deps.version(*tool), distribution=args.distribution, inputs=args.inputs)
+    result.setdefault("overrides", {})[routing] = overrides  # one server per routing: each its own settings
 
     def save() -> None:  # after every run: a run cut short keeps what it measured
         if saved is not None:

@@ -27,11 +27,14 @@ def _add_images(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[], help="image file (repeatable, in order)")
     p.add_argument("--keep-ratio", type=float, default=None, dest="visual_keep_ratio",
                    help="visual tokens kept, in (0, 1] (default: the server's keep_ratio)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="0: the keep ratio is never lowered under load; 1 (the server's default), 2: lowered, 2 first")
 
 
 def _inputs(args, images: list[bytes] = ()) -> dict:
     inputs = {"text_input": args.question}
-    inputs.update({k: getattr(args, k) for k in SAMPLING + ("visual_keep_ratio",) if getattr(args, k) is not None})
+    inputs.update({k: getattr(args, k) for k in SAMPLING + ("visual_keep_ratio", "priority")
+                   if getattr(args, k) is not None})
     if args.stop:
         inputs["stop_words"] = args.stop
     images = list(images) + [Path(p).read_bytes() for p in args.image]
@@ -75,8 +78,8 @@ def cmd_ask(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"[{r.get('input_token_count')} prompt tokens, {r.get('output_token_count')} generated, "
-          f"finish: {r.get('finish_reason')}, visual tokens kept per image: {r.get('visual_tokens_kept')}, "
-          f"TTFT {r['client_ttft_ms']:.1f} ms]", file=sys.stderr)
+          f"finish: {r.get('finish_reason')}, visual tokens kept per image: {r.get('visual_tokens_kept')} "
+          f"(keep ratio {r.get('visual_keep_ratio_used', 0):.2f}), TTFT {r['client_ttft_ms']:.1f} ms]", file=sys.stderr)
     return 0
 
 

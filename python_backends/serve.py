@@ -277,7 +277,9 @@ class TritonServer:
             return r.status, r.read()
 
     def wait_ready(self, timeout: float = 300) -> list[str]:
-        """Wait for /v2/health/ready, then check every model is READY; returns the model names."""
+        """Wait for /v2/health/ready and the metrics endpoint (the server starts it tens of ms after
+        the HTTP one: a scrape right after ready was refused), then check every model is READY;
+        returns the model names."""
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -286,6 +288,8 @@ class TritonServer:
                 )
             try:
                 if self._request("GET", "/v2/health/ready")[0] == 200:
+                    if "--allow-metrics=false" not in self.extra_args:
+                        urllib.request.urlopen(f"http://{self.url_metrics}/metrics", timeout=10).close()
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # not listening yet, or models still loading (400)

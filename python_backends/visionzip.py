@@ -196,6 +196,9 @@ class VisionZipConfig:
     """VisionZip's settings: parameters of vision_encoder/config.pbtxt (mm_qa_bls reads them from there)."""
     keep_ratio: float = setting(0.6, "fraction of a request's visual tokens kept (one budget shared by its images); "
                                      "a request may override it with visual_keep_ratio", min=1e-6, max=1.0)
+    keep_ratio_min: float = setting(0.3, "under load (moe_decoder's ttft_target_ms) the keep ratio of a request of "
+                                         "priority >= 1 is lowered step by step down to this (serving/load.py)",
+                                    min=1e-6, max=1.0)
     context_fraction: float = setting(0.05, "share of the kept tokens that are contextual (merged from the dropped)",
                                       min=0.0, max=1.0)
     min_tokens_per_image: int = setting(4, "every image keeps at least this many tokens, however plain", min=0)

@@ -3,10 +3,13 @@ DeepStack rows and mRoPE positions spliced per chunk) gives the logits of a one-
 a sequence that decodes beside someone else's chunks gets the tokens it gets alone."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
@@ -76,3 +79,30 @@ def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_i
     eng = engine(tiny_checkpoint, 9, device)  # b's prompt takes many steps, each with a's decode token in it
     a_mixed, b_mixed = run(eng, with_images=True)
     assert a_mixed == alone and b_mixed == b_alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_decoding_image_request_beside_chunks_reads_no_features(tiny_checkpoint, request_with_images, device,
+                                                                  monkeypatch):
+    """Once its prompt is cached a sequence's visual features leave the GPU (`VisualInputs.offload`); a
+    step that decodes it beside another prompt's chunks must not touch them. Here offload moves them to
+    the meta device, which no kernel can read (on an H200 the host copy once met a chunk's GPU
+    features in one torch.cat: a device mismatch that failed every step with two image requests)."""
+    ids, visual = request_with_images
+
+    def to_meta(self):
+        self.embeds = self.embeds.to("meta")
+        self.deepstack = None if self.deepstack is None else self.deepstack.to("meta")
+
+    def run(eng):
+        first = eng.add_request(ids, SamplingParams(max_tokens=24, ignore_eos=True), visual=copy.copy(visual))
+        while not first.output_ids:
+            eng.step()
+        second = eng.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), visual=copy.copy(visual))
+        while eng.has_work:
+            eng.step()
+        return first.output_ids, second.output_ids
+
+    reference = run(engine(tiny_checkpoint, 256, device))
+    monkeypatch.setattr(VisualInputs, "offload", to_meta)
+    assert run(engine(tiny_checkpoint, 9, device)) == reference

@@ -1,5 +1,6 @@
 """serving.decoder.DecoderService driven directly (no Triton): admission, streaming windows, stop
-strings, cancellation mid-stream, refused requests, overload (the bounded wait), and its metrics."""
+strings, cancellation mid-stream, refused requests, overload (the bounded wait), its metrics and the
+degradation level it derives from the load."""
 from __future__ import annotations
 
 import threading
@@ -12,9 +13,11 @@ import torch
 
 from zipmoe.detokenize import TokenBytes, window_text
 from zipmoe.engine.engine import EngineConfig, LLMEngine, RequestError
-from zipmoe.serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecoderConfig, DecoderService,
-                                    VisualTokens)
+from zipmoe.serving.decode_request import DecodeRequest, VisualTokens
+from zipmoe.serving.decoder import DecoderConfig, DecoderService
+from zipmoe.serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
 from zipmoe.serving.errors import BadInput, ServerBusy
+from zipmoe.serving.load import UP_PRESSURE, DegradationConfig
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -44,12 +47,14 @@ class Sink:
         return "".join(window_text(token_bytes, r.output_ids.tolist(), *r.text_range) for r in self.responses)
 
 
-def make_service(checkpoint, max_num_seqs: int = 64, **config) -> DecoderService:
+def make_service(checkpoint, max_num_seqs: int = 64, degradation=DegradationConfig(), on_level=None,
+                 **config) -> DecoderService:
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
                                                 max_num_batched_tokens=512, max_num_seqs=max_num_seqs))
     published, observed = [], []
     svc = DecoderService(engine, TokenBytes.from_tokenizer_json(checkpoint), DecoderConfig(**config),
-                         publish=published.append, observe=lambda name, value: observed.append((name, value)))
+                         publish=published.append, observe=lambda name, value: observed.append((name, value)),
+                         degradation=degradation, on_level=on_level)
     svc.published, svc.observed = published, observed
     return svc
 
@@ -165,21 +170,62 @@ def test_each_finished_request_is_observed_once_per_histogram(service):
     run(service, {"max_tokens": 4, "ignore_eos": True, "stream": True})
     run(service, {"max_tokens": 1, "ignore_eos": True})  # one token: no gap between tokens to observe
     names = [name for name, _ in service.observed]
-    assert sorted(names) == ["itl_s", "ttft_s", "ttft_s"] and set(names) == set(HISTOGRAMS)
+    assert sorted(names) == ["itl_s", "ttft_s", "ttft_s"]
+    assert set(names) == set(HISTOGRAMS) - {"keep_ratio"}  # observed for requests with images only
     assert all(value > 0 for _, value in service.observed)
 
 
-def test_visual_tokens_before_and_after_visionzip_are_counted(service):
+def test_visual_tokens_before_and_after_visionzip_are_counted_and_the_keep_ratio_echoed(service):
     text = service.engine.text
     width, layers = text.hidden_size, text.deepstack_layers
     kept, grid = 3, (2, 4)  # 3 of an image's 8 merged tokens
     visual = VisualTokens(torch.zeros(kept, width), torch.zeros(layers, kept, width),
                           torch.tensor([[0, 0], [0, 3], [1, 2]], dtype=torch.int32),
                           torch.tensor([grid], dtype=torch.int32), torch.tensor([kept], dtype=torch.int32))
-    run(service, {"max_tokens": 2, "ignore_eos": True}, ids=[1, text.image_token_id, 2], visual=visual)
-    run(service, {"max_tokens": 2, "ignore_eos": True})  # text only: counts nothing
+    sink = Sink()
+    service.submit(DecodeRequest([1, text.image_token_id, 2], {"max_tokens": 2, "ignore_eos": True, "stream": True},
+                                 visual, keep_ratio=0.375), sink)
+    assert sink.done.wait(60)
+    assert [r.visual_keep_ratio_used for r in sink.responses] == [0.375, 0.375]  # in every response
+    text_only = run(service, {"max_tokens": 2, "ignore_eos": True})  # counts nothing
+    assert text_only.responses[-1].visual_keep_ratio_used == 1.0  # no VisionZip before it
     stats = service.published[-1]
     assert (stats["visual_tokens"], stats["visual_tokens_kept"]) == (8, 3)
+    assert [value for name, value in service.observed if name == "keep_ratio"] == [0.375]
+
+
+def test_the_degradation_level_follows_the_load_and_is_published(tiny_checkpoint):
+    """A target of 1 ms: any request's TTFT is pressure; the level rises a step after UP_AFTER_S of it,
+    reaches on_level and the metrics, and (the TTFT window emptied) falls again."""
+    levels = []
+    svc = make_service(tiny_checkpoint, degradation=DegradationConfig(ttft_target_ms=1),
+                       on_level=lambda level, why: levels.append((level, why)))
+    try:
+        run(svc, {"max_tokens": 2, "ignore_eos": True})
+        deadline = time.monotonic() + 30
+        while not levels and time.monotonic() < deadline:
+            time.sleep(0.05)
+        level, why = levels[0]
+        assert level == 1 and "TTFT" in why and " / 1 ms" in why
+        stats = svc.stats()
+        assert stats["degradation_level"] >= 1 and stats["load_pressure"] >= UP_PRESSURE
+        assert any(p["degradation_level"] >= 1 for p in svc.published)
+    finally:
+        svc.shutdown()
+
+
+def test_no_level_without_a_ttft_target(tiny_checkpoint):
+    levels = []
+    svc = make_service(tiny_checkpoint, max_num_seqs=1, degradation=DegradationConfig(ttft_target_ms=0),
+                       on_level=lambda level, why: levels.append(level))
+    try:
+        sinks = [Sink() for _ in range(4)]  # three wait behind the one seat: pressure 3 if it were on
+        for sink in sinks:
+            svc.submit(DecodeRequest(PROMPT, {"max_tokens": 40, "ignore_eos": True}), sink)
+        assert all(sink.done.wait(60) for sink in sinks)
+        assert not levels and (svc.stats()["degradation_level"], svc.stats()["load_pressure"]) == (0, 0.0)
+    finally:
+        svc.shutdown()
 
 
 def test_cancel_by_tag_stops_that_request_only(service):

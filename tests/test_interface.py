@@ -9,7 +9,7 @@ from tritonclient.grpc import model_config_pb2
 
 from zipmoe import serve
 from zipmoe.clients import triton_client
-from zipmoe.serving.interface import CLIENT_INPUTS, CLIENT_OUTPUTS, DECODER_OPTIONS, VISUAL_TOKENS
+from zipmoe.serving.interface import CLIENT_INPUTS, CLIENT_OUTPUTS, DECODER_OPTIONS, KEEP_RATIO_USED, VISUAL_TOKENS
 from zipmoe.serving.model_settings import MODEL_SETTINGS
 from zipmoe.settings import parse_parameters
 
@@ -39,10 +39,13 @@ def test_client_facing_models_declare_exactly_the_interface(model):
 
 def test_moe_decoder_takes_the_decoder_options_and_visual_tokens_as_declared():
     inputs = declared(config("moe_decoder").input)
+    tokens = {**VISUAL_TOKENS, KEEP_RATIO_USED.name: KEEP_RATIO_USED}
     assert {name: inputs[name] for name in DECODER_OPTIONS} == table(DECODER_OPTIONS)
-    assert {name: inputs[name] for name in VISUAL_TOKENS} == table(VISUAL_TOKENS)
+    assert {name: inputs[name] for name in tokens} == table(tokens)
     outputs = declared(config("vision_encoder").output)
-    assert {name: outputs[name][:2] for name in VISUAL_TOKENS} == {k: v[:2] for k, v in table(VISUAL_TOKENS).items()}
+    assert {name: outputs[name][:2] for name in tokens} == {k: v[:2] for k, v in table(tokens).items()}
+    echoed = declared(config("moe_decoder").output)[KEEP_RATIO_USED.name]
+    assert echoed == table(CLIENT_OUTPUTS, optional=False)[KEEP_RATIO_USED.name]
 
 
 def test_preprocess_and_vision_encoder_take_client_inputs_as_declared():
@@ -50,7 +53,8 @@ def test_preprocess_and_vision_encoder_take_client_inputs_as_declared():
     assert {name: pre[name] for name in ("text_input", "images")} == table(
         {k: CLIENT_INPUTS[k] for k in ("text_input", "images")})
     vision = declared(config("vision_encoder").input)
-    assert vision["visual_keep_ratio"] == table({"r": CLIENT_INPUTS["visual_keep_ratio"]})["visual_keep_ratio"]
+    for name in ("visual_keep_ratio", "priority"):
+        assert vision[name] == table({name: CLIENT_INPUTS[name]})[name]
 
 
 def test_the_ensemble_hands_every_decoder_option_to_moe_decoder_unchanged():
@@ -58,6 +62,11 @@ def test_the_ensemble_hands_every_decoder_option_to_moe_decoder_unchanged():
     assert {k: v for k, v in steps["moe_decoder"].input_map.items() if k in DECODER_OPTIONS} == \
         {name: name for name in DECODER_OPTIONS}
     assert steps["vision_encoder"].input_map["visual_keep_ratio"] == "visual_keep_ratio"
+    assert steps["vision_encoder"].input_map["priority"] == "priority"
+    # The keep ratio used: vision_encoder -> moe_decoder -> the client.
+    used = KEEP_RATIO_USED.name
+    assert steps["moe_decoder"].input_map[used] == steps["vision_encoder"].output_map[used]
+    assert steps["moe_decoder"].output_map[used] == used
 
 
 @pytest.mark.parametrize("model", sorted(MODEL_SETTINGS))

@@ -51,11 +51,11 @@ def test_a_conversation_becomes_one_question():
 
 def test_sampling_parameters_map_onto_mm_qa_inputs():
     request = chat(user("q"), max_tokens=5, max_completion_tokens=7, temperature=1, top_p=0.5, seed=-1,
-                   stop="\n", top_k=3, ignore_eos=True, visual_keep_ratio=0.4, stream=True,
+                   stop="\n", top_k=3, ignore_eos=True, visual_keep_ratio=0.4, priority=0, stream=True,
                    stream_options={"include_usage": True})
     assert request.inputs == {"text_input": "q", "max_tokens": 7, "temperature": 1.0, "top_p": 0.5,
                               "random_seed": 2**64 - 1, "top_k": 3, "ignore_eos": True, "visual_keep_ratio": 0.4,
-                              "stop_words": ["\n"]}
+                              "priority": 0, "stop_words": ["\n"]}
     assert request.stream and request.include_usage
     assert not chat(user("q"), stream_options={"include_usage": True}).include_usage  # only when streaming
 

@@ -12,6 +12,7 @@ import torch
 
 from zipmoe.models.io import SyncedMetric
 from zipmoe.serving.errors import BadInput, ModelError, ServerBusy
+from zipmoe.serving.load import DEFAULT_PRIORITY, MAX_LEVEL
 from zipmoe.serving.pipeline import (METRICS, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
                                      renumber_images)
 from zipmoe.visionzip import ImageFeatures, VisionZipConfig
@@ -40,7 +41,8 @@ class Stream:
             if i == self.fail_at:
                 raise ModelError("moe_decoder: boom")
             yield {"output_ids": [i], "text_range": [0, 1], "input_token_count": 3, "output_token_count": i + 1,
-                   "finish_reason": "length" if i == self.n - 1 else "", "visual_tokens_kept": []}
+                   "finish_reason": "length" if i == self.n - 1 else "", "visual_tokens_kept": [],
+                   "visual_keep_ratio_used": [0.5]}
 
     def cancel(self):
         self.cancelled_at = self.read
@@ -97,15 +99,15 @@ class Sink:
         return self.cancel_after is not None and len(self.sent) >= self.cancel_after
 
 
-def pipeline(calls, published=None, **config) -> QAPipeline:
-    return QAPipeline(calls, PipelineConfig(**config), VisionZipConfig(keep_ratio=0.5, context_fraction=0.0,
-                                                                      min_tokens_per_image=1),
-                      publish=None if published is None else published.append)
+def pipeline(calls, published=None, level=lambda: 0, **config) -> QAPipeline:
+    return QAPipeline(calls, PipelineConfig(**config), VisionZipConfig(keep_ratio=0.5, keep_ratio_min=0.1,
+                                                                      context_fraction=0.0, min_tokens_per_image=1),
+                      publish=None if published is None else published.append, level=level)
 
 
-def ask(p: QAPipeline, sink=None, images=(), keep_ratio=None, **options) -> Sink:
+def ask(p: QAPipeline, sink=None, images=(), keep_ratio=None, priority=DEFAULT_PRIORITY, **options) -> Sink:
     sink = sink or Sink()
-    p.submit(QARequest("what is it?", list(images), keep_ratio, options), sink)
+    p.submit(QARequest("what is it?", list(images), keep_ratio, options, priority), sink)
     assert sink.closed.wait(10)
     return sink
 
@@ -121,6 +123,24 @@ def test_relays_every_decoder_response_with_its_text_then_closes():
     assert inputs["visual_embeds"].shape == (8, WIDTH) and inputs["deepstack_embeds"].shape == (2, 8, WIDTH)
     full = ask(pipeline(Calls()), images=[b"a", b"b"], keep_ratio=1.0)
     assert full.sent[-1]["visual_tokens_kept"] == []  # relayed from the decoder as it came
+
+
+def test_the_keep_ratio_follows_the_level_and_the_priority():
+    """keep_ratio 0.5, keep_ratio_min 0.1, 2 images x 8 tokens: at level 3 priority 1 goes 2 of 4 steps
+    down (0.3: 5 tokens), priority 2 three (0.2: 3 tokens), priority 0 none (0.5: 8 tokens)."""
+    calls, level, published = Calls(), [3], []
+    p = pipeline(calls, published, level=lambda: level[0])
+    for priority in (0, 1, 2):
+        ask(p, images=[b"a", b"b"], priority=priority)
+    sent = [(round(float(d["visual_keep_ratio_used"][0]), 3), int(d["visual_tokens_kept"].sum())) for d in calls.decoded]
+    assert sent == [(0.5, 8), (0.3, 5), (0.2, 3)]
+    ask(p, images=[b"a"], keep_ratio=0.9, priority=1)  # its own ratio is its base: 0.9 - 2/4 of (0.9 - 0.1)
+    assert float(calls.decoded[-1]["visual_keep_ratio_used"][0]) == pytest.approx(0.5)
+    level[0] = MAX_LEVEL
+    ask(p, priority=2)  # text only: reported, not counted as degraded
+    assert float(calls.decoded[-1]["visual_keep_ratio_used"][0]) == pytest.approx(0.1)
+    assert p.keep.degraded == {1: 2, 2: 1}
+    assert ask(p, images=[b"a"]).sent[-1]["visual_keep_ratio_used"] == [0.5]  # relayed from the decoder
 
 
 def test_repeated_images_come_from_the_cache_once_each():
@@ -161,6 +181,8 @@ def test_an_image_error_names_the_image_by_its_place_in_the_request():
     (QARequest("q", [b"x"] * 3, None, {}), "3 images; this deployment accepts at most 2"),
     (QARequest("q", [b"x", b""], None, {}), "image 1: empty"),
     (QARequest("q", [], 0.0, {}), r"visual_keep_ratio must be in \(0, 1\]"),
+    (QARequest("q", [], None, {}, 3), "priority must be 0 .never degraded. to 2"),
+    (QARequest("q", [], None, {}, -1), "priority must be 0"),
 ])
 def test_bad_requests_are_refused_before_any_work(request_, message):
     calls = Calls()

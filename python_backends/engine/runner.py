@@ -61,10 +61,11 @@ class ModelRunner:
                 chunks.append(Chunk(slice(row, row + n), self._tensor(self.blocks.slots(seq, 0, start + n)), start))
             if seq.visual is not None:  # the image tokens inside this chunk: a run of the visual rows
                 first, last = bisect_left(seq.image_rows, start), bisect_left(seq.image_rows, start + n)
-                visual_rows.extend(row + j - start for j in seq.image_rows[first:last])
-                embeds.append(seq.visual.embeds[first:last])
-                if seq.visual.deepstack is not None:
-                    deepstack.append(seq.visual.deepstack[:, first:last])
+                if last > first:  # (a decoding sequence's features may be in host memory: offload())
+                    visual_rows.extend(row + j - start for j in seq.image_rows[first:last])
+                    embeds.append(seq.visual.embeds[first:last].to(self.device, non_blocking=True))
+                    if seq.visual.deepstack is not None:
+                        deepstack.append(seq.visual.deepstack[:, first:last].to(self.device, non_blocking=True))
             row += n
         step = StepInputs(positions=torch.cat(pos, dim=1).to(self.device), slots=self._tensor(slots),
                           is_prefill=True, chunks=chunks)
@@ -75,9 +76,9 @@ class ModelRunner:
             step.context_lens = table["context_lens"].to(self.device)
         if visual_rows:
             step.visual_rows = self._tensor(visual_rows)
-            step.visual_embeds = torch.cat(embeds).to(self.device)
+            step.visual_embeds = torch.cat(embeds)
             if deepstack:
-                step.deepstack = torch.cat(deepstack, dim=1).to(self.device)
+                step.deepstack = torch.cat(deepstack, dim=1)
         return self._tensor(ids), step, self._tensor(rows)
 
     @staticmethod

@@ -114,6 +114,12 @@ class Metrics:
     def counter(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.COUNTER, name, description)
 
+    def labelled_counters(self, name: str, description: str, label: str, values) -> dict:
+        """One counter family with a metric per value of `label` (besides `model`), each exported from
+        the start at 0: value -> SyncedMetric."""
+        family = self._family(self._pb.MetricFamily.COUNTER, name, description)
+        return {v: SyncedMetric(family.Metric(labels={"model": self._model, label: str(v)}), True) for v in values}
+
     def gauge(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.GAUGE, name, description)
 

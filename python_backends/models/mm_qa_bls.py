@@ -27,7 +27,9 @@ import triton_python_backend_utils as pb_utils
 from ..image_input import decode_images
 from ..serving.errors import SERVER_BUSY, BadInput, ModelError, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS
+from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED
 from ..serving.pipeline import GAUGES, METRICS, QAPipeline, QARequest, split_features
+from ..serving.shared_level import LevelReader, segment_path
 from ..settings import parse_parameters, settings_of
 from ..visionzip import VisionZipConfig
 from .io import Metrics, as_torch, as_triton, error_response, get_input, load_settings, scalar, strings
@@ -36,7 +38,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENCODER_OUTPUTS = ["visual_embeds", "deepstack_embeds", "image_grids", "visual_tokens_kept", "token_importance",
                    "token_keys"]
 DECODER_OUTPUTS = ["output_ids", "text_range", "input_token_count", "output_token_count", "finish_reason",
-                   "visual_tokens_kept"]
+                   "visual_tokens_kept", "visual_keep_ratio_used"]
 
 
 
@@ -97,10 +99,11 @@ class BlsCalls:
 
     @staticmethod
     def encode_images(images: list[bytes]):
-        """image_decode -> vision_encoder at keep ratio 1.0 (every token, with its importance and key,
-        so VisionZip can run in the pipeline) -> one ImageFeatures per image."""
+        """image_decode -> vision_encoder at keep ratio 1.0 and priority 0, never degraded (every token,
+        with its importance and key, so VisionZip can run in the pipeline) -> one ImageFeatures per image."""
         pixels = infer("image_decode", {"images": np.asarray(images, np.object_)}, ["pixel_values", "image_sizes"])
-        out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32)}, ENCODER_OUTPUTS)
+        out = infer("vision_encoder", {**pixels, "visual_keep_ratio": np.ones(1, np.float32),
+                                       "priority": np.zeros(1, np.int32)}, ENCODER_OUTPUTS)
         return split_features({name: as_torch(t) for name, t in out.items()})
 
     @staticmethod
@@ -148,12 +151,16 @@ class TritonPythonModel:
         self._metric_families = families = Metrics(pb_utils, "mm_qa_bls")
         self.metrics = {name: (families.gauge if name in GAUGES else families.counter)(*metric)
                         for name, metric in METRICS.items()}
+        self.degraded = families.labelled_counters(*DEGRADED, "priority", DEGRADABLE)
         self.pipeline = QAPipeline(BlsCalls(), config, vision_encoder_visionzip(args), publish=self._publish,
-                                   log_error=pb_utils.Logger.log_error)
+                                   log_error=pb_utils.Logger.log_error,
+                                   level=LevelReader(segment_path(args["model_repository"])).read)
 
     def _publish(self, stats: dict[str, int]) -> None:
         for name, metric in self.metrics.items():
             metric.sync(stats[name])
+        for priority, metric in self.degraded.items():
+            metric.sync(self.pipeline.keep.degraded[priority])
 
     def execute(self, requests):
         for request in requests:
@@ -163,7 +170,8 @@ class TritonPythonModel:
                 given = {name: get_input(pb_utils, request, name) for name in DECODER_OPTIONS}
                 images = decode_images(strings(pb_utils, request, "images"))  # base64 over HTTP -> file bytes
                 qa = QARequest(scalar(pb_utils, request, "text_input", "", str), images, ratio,
-                               {k: v for k, v in given.items() if v is not None})
+                               {k: v for k, v in given.items() if v is not None},
+                               scalar(pb_utils, request, "priority", DEFAULT_PRIORITY, int))
                 self.pipeline.submit(qa, sink)
             except (BadInput, UnicodeDecodeError) as e:
                 sink.close(f"mm_qa_bls: {e}")

@@ -12,10 +12,12 @@ import triton_python_backend_utils as pb_utils
 
 from ..detokenize import TokenBytes
 from ..engine.engine import LLMEngine, RequestError
-from ..serving.decoder import (COUNTERS, GAUGES, HISTOGRAMS, DecodeRequest, DecodeResponse, DecoderService,
-                               VisualTokens)
+from ..serving.decode_request import DecodeRequest, DecodeResponse, VisualTokens
+from ..serving.decoder import DecoderService
+from ..serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
 from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
+from ..serving.shared_level import LevelWriter, segment_path
 from .io import Metrics, as_torch, error_response, get_input, load_settings, read_options, resolve_checkpoint, scalar
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -38,6 +40,7 @@ class Sink:
             pb_utils.Tensor("output_token_count", np.asarray([response.output_token_count], dtype=np.int32)),
             pb_utils.Tensor("finish_reason", np.asarray([response.finish_reason.encode()], dtype=np.object_)),
             pb_utils.Tensor("visual_tokens_kept", response.visual_tokens_kept),
+            pb_utils.Tensor("visual_keep_ratio_used", np.asarray([response.visual_keep_ratio_used], dtype=np.float32)),
         ]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=flags)
 
@@ -69,7 +72,7 @@ def visual_tokens(request, device: torch.device) -> VisualTokens | None:
 
 class TritonPythonModel:
     def initialize(self, args):
-        location, service_config, engine_config = load_settings(args, "moe_decoder")
+        location, service_config, degradation, engine_config = load_settings(args, "moe_decoder")
         checkpoint = resolve_checkpoint(args, location.checkpoint_path)
         engine = LLMEngine(checkpoint, engine_config)
         pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} ({engine_config.load_format}) on {engine.device} "
@@ -80,11 +83,18 @@ class TritonPythonModel:
                         **{k: families.gauge(*v) for k, v in GAUGES.items()}}
         self.histograms = {k: families.histogram(*v) for k, v in HISTOGRAMS.items()}
         self.device = engine.device
+        # The degradation level, for vision_encoder and mm_qa_bls (serving/shared_level.py).
+        self.level = LevelWriter(segment_path(args["model_repository"]))
         self.service = DecoderService(engine, TokenBytes.from_tokenizer_json(checkpoint), service_config,
                                       publish=self._publish, log_error=pb_utils.Logger.log_error,
-                                      observe=lambda name, value: self.histograms[name].observe(value))
+                                      observe=lambda name, value: self.histograms[name].observe(value),
+                                      degradation=degradation, on_level=self._on_level)
 
-    def _publish(self, stats: dict[str, int]) -> None:
+    def _on_level(self, level: int, why: str) -> None:
+        self.level.write(level)
+        pb_utils.Logger.log_info(f"moe_decoder: degradation level {level} ({why})")
+
+    def _publish(self, stats: dict[str, float]) -> None:
         for name, metric in self.metrics.items():
             metric.sync(stats[name])
 
@@ -102,8 +112,10 @@ class TritonPythonModel:
                     raise BadInput("input_ids is required")
                 options = read_options(pb_utils, request, DECODER_OPTIONS)
                 tag = scalar(pb_utils, request, "request_tag", "", str)
+                # Rounded back from FP32 (0.3 arrives as 0.30000001) so that it falls in the histogram's le="0.3".
+                keep = round(scalar(pb_utils, request, "visual_keep_ratio_used", 1.0, float), 6)
                 self.service.submit(DecodeRequest(ids.reshape(-1).tolist(), options,
-                                                  visual_tokens(request, self.device), tag), sink)
+                                                  visual_tokens(request, self.device), tag, keep), sink)
             except (BadInput, RequestError) as e:
                 sink.send_error(str(e))
             except ServerBusy as e:
@@ -115,3 +127,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        self.level.close()

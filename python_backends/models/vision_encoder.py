@@ -12,6 +12,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..serving.errors import BadInput, internal_error
+from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED, KeepChooser, check_priority
+from ..serving.shared_level import LevelReader, segment_path
 from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
 from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
@@ -54,19 +56,25 @@ class TritonPythonModel:
         self._metric_families = families = Metrics(pb_utils, "vision_encoder")
         self.metrics = {name: families.counter(*metric) for name, metric in METRICS.items()}
         self.counts = dict.fromkeys(METRICS, 0)
+        # Each request's keep ratio follows moe_decoder's degradation level (serving/load.py).
+        vz = self.visionzip
+        self.keep = KeepChooser(vz.keep_ratio, vz.keep_ratio_min, LevelReader(segment_path(args["model_repository"])).read)
+        self.degraded = families.labelled_counters(*DEGRADED, "priority", DEGRADABLE)
 
     def execute(self, requests):
         responses: list = [None] * len(requests)
         jobs = []  # (index, images, keep ratio) of the valid requests
         for i, request in enumerate(requests):
             try:
-                ratio = scalar(pb_utils, request, "visual_keep_ratio", self.visionzip.keep_ratio, float)
-                if not 0.0 < ratio <= 1.0:
-                    raise BadInput(f"visual_keep_ratio must be in (0, 1], got {ratio}")
+                requested = scalar(pb_utils, request, "visual_keep_ratio", None, float)
+                if requested is not None and not 0.0 < requested <= 1.0:
+                    raise BadInput(f"visual_keep_ratio must be in (0, 1], got {requested}")
+                priority = check_priority(scalar(pb_utils, request, "priority", DEFAULT_PRIORITY, int))
                 # dlpack: image_decode's GPU tensor arrives as it is (config: FORCE_CPU_ONLY_INPUT_TENSORS no).
                 pixels = as_torch(pb_utils.get_input_tensor_by_name(request, "pixel_values"))
                 sizes = pb_utils.get_input_tensor_by_name(request, "image_sizes").as_numpy()
-                jobs.append((i, split_images(pixels, sizes, self.multiple), ratio))
+                images = split_images(pixels, sizes, self.multiple)
+                jobs.append((i, images, self.keep.choose(requested, priority, len(images))))
             except BadInput as e:
                 responses[i] = error_response(pb_utils, f"vision_encoder: {e}")
         if jobs:
@@ -84,7 +92,8 @@ class TritonPythonModel:
                 start += len(images)
                 tokens = compress(mine, ratio, self.visionzip.context_fraction, self.visionzip.min_tokens_per_image)
                 wants = set(requests[i].requested_output_names())
-                responses[i] = self._response(tokens, mine if wants & {"token_importance", "token_keys"} else None)
+                responses[i] = self._response(tokens, ratio,
+                                              mine if wants & {"token_importance", "token_keys"} else None)
             self._count(len(jobs), sum(len(images) for _, images, _ in jobs), forward_s - start_s,
                         time.perf_counter() - forward_s)
         return responses
@@ -99,11 +108,14 @@ class TritonPythonModel:
         c["visionzip_us"] += int(visionzip_s * 1e6)
         for name, metric in self.metrics.items():
             metric.sync(c[name])
+        for priority, metric in self.degraded.items():
+            metric.sync(self.keep.degraded[priority])
 
-    def _response(self, tokens: list[ImageTokens], features: list[ImageFeatures] | None):
+    def _response(self, tokens: list[ImageTokens], ratio: float, features: list[ImageFeatures] | None):
         """features: also send every token's importance and key (what mm_qa_bls caches per image)."""
         config = self.encoder.model.config
         arrays = decoder_inputs(tokens, config.out_hidden_size, len(config.deepstack_visual_indexes))
+        arrays["visual_keep_ratio_used"] = np.asarray([ratio], np.float32)
         if features is not None:
             arrays["token_importance"] = (torch.cat([f.importance for f in features]).float().numpy()
                                           if features else np.zeros(0, np.float32))

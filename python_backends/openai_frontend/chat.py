@@ -22,8 +22,9 @@ from ..serving.errors import INTERNAL_ERROR, SERVER_BUSY, SHUTTING_DOWN, BadInpu
 
 ROLES = ("system", "developer", "user", "assistant")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # mm_qa's -> OpenAI's
-# Extensions beyond OpenAI's parameters, named and typed as mm_qa's inputs (as vLLM takes top_k and ignore_eos).
-EXTENSIONS = {"top_k": int, "ignore_eos": bool, "visual_keep_ratio": float}
+# Extensions beyond OpenAI's parameters, named and typed as mm_qa's inputs (as vLLM takes top_k, ignore_eos
+# and priority; mm_qa's priority is whether and how soon the keep ratio is lowered under load).
+EXTENSIONS = {"top_k": int, "ignore_eos": bool, "visual_keep_ratio": float, "priority": int}
 # Parameters that would change the answer in ways mm_qa cannot: refused unless at their default.
 UNSUPPORTED = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
                "functions": (None, []), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),

@@ -10,7 +10,9 @@ admits queued requests between steps (so they join the running batch at the next
 cancelled ones (their KV blocks freed before the next step), runs one step, and answers each
 sequence through its sink: one `DecodeResponse` per token when streaming, one at the end
 otherwise. Each response carries a window of token ids and the byte range of it that is new text
-(`detokenize.TextStream`), which postprocess turns into a UTF-8-safe text delta.
+(`detokenize.TextStream`), which postprocess turns into a UTF-8-safe text delta. Once per metrics
+period the engine thread also samples the load (`serving.load`) and hands the degradation level to
+`on_level` when it changes (the adapter shares it with the models that choose the keep ratio).
 """
 from __future__ import annotations
 
@@ -18,57 +20,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
-import torch
 
 from ..detokenize import TextStream, TokenBytes
 from ..engine.engine import LLMEngine
-from ..engine.multimodal import VisualInputs, splice_images
+from ..engine.multimodal import VisualInputs
 from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import setting
-from .errors import SHUTTING_DOWN, BadInput, internal_error, server_busy
+from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
+from .errors import SHUTTING_DOWN, internal_error, server_busy
+from .load import DegradationConfig, DegradationController, Load, RecentTTFT
 
 METRICS_PERIOD_S = 0.1
-
-# stats() name -> (Prometheus metric, help), as the adapter publishes them; counters only grow.
-COUNTERS = {
-    "requests_completed": ("zipmoe_requests_completed_total", "Requests that finished generating"),
-    "ttft_us": ("zipmoe_ttft_microseconds_total", "Sum of time to first token (arrival to first token)"),
-    "decode_us": ("zipmoe_decode_microseconds_total", "Sum of time from first to last token"),
-    "decode_tokens": ("zipmoe_decode_tokens_total", "Tokens generated after the first one"),
-    "prompt_tokens": ("zipmoe_prompt_tokens_total", "Prompt tokens prefilled"),
-    "preemptions": ("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks"),
-    "requests_cancelled": ("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled"),
-    "requests_rejected_busy": ("zipmoe_requests_rejected_busy_total",
-                               "Requests refused busy: max_waiting_requests waiting, or max_queue_delay_ms passed"),
-    # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
-    "layer_steps": ("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
-    "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
-    "union_after": ("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
-    "rerouted_slots": ("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
-    # VisionZip, whichever path compressed (mm_qa's vision_encoder or mm_qa_bls): kept / before.
-    "visual_tokens": ("zipmoe_visual_tokens_total", "Merged visual tokens of the requests' images, before VisionZip"),
-    "visual_tokens_kept": ("zipmoe_visual_tokens_kept_total", "Visual tokens kept by VisionZip and prefilled"),
-}
-GAUGES = {
-    "kv_blocks_free": ("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
-    "kv_blocks_total": ("zipmoe_kv_blocks_total", "KV cache blocks in all"),
-    "kv_capacity_tokens": ("zipmoe_kv_capacity_tokens", "Tokens the KV cache holds (sized at load)"),
-    "running": ("zipmoe_running_requests", "Sequences admitted: decoding, or their prompt being prefilled"),
-    "waiting": ("zipmoe_waiting_requests", "Sequences waiting for admission"),
-}
-# observe() name -> (Prometheus histogram, help, bucket upper bounds in seconds); one observation per
-# finished request (an observation is a round trip to the server, too dear per token). The inter-token
-# latency is the request's mean, (last token - first token) / (tokens - 1), as genai-perf and AIPerf
-# define it per request.
-HISTOGRAMS = {
-    "ttft_s": ("zipmoe_ttft_seconds", "Time to first token per request (arrival at moe_decoder to first token)",
-               (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
-    "itl_s": ("zipmoe_inter_token_latency_seconds", "Mean time between a request's tokens after the first",
-              (0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)),
-}
 
 
 @dataclass(frozen=True)
@@ -80,47 +45,10 @@ class DecoderConfig:
     max_queue_delay_ms: int = setting(0, "a request not admitted after this long is refused busy (0: off)", min=0)
 
 
-@dataclass
-class VisualTokens:
-    """vision_encoder's kept tokens of one request (interface.VISUAL_TOKENS)."""
-    embeds: torch.Tensor  # [V, hidden]
-    deepstack: torch.Tensor  # [layers, V, hidden]
-    positions: torch.Tensor  # [V, 2] (row, col) in each image's merged grid
-    grids: torch.Tensor  # [images, 2]
-    kept: torch.Tensor  # [images] tokens kept per image
-
-
-@dataclass
-class DecodeRequest:
-    input_ids: list[int]  # the prompt, one placeholder per image
-    options: dict  # interface.DECODER_OPTIONS by name, defaults filled in (max_tokens None: the server's)
-    visual: VisualTokens | None = None  # None or no images: a text-only request
-    tag: str = ""  # names the request for a later cancel(tag) (mm_qa_bls: server 2.51's BLS cannot cancel)
-
-
 @dataclass(frozen=True)
 class Cancel:
     """cancel(tag), queued behind the requests submitted before it, so it finds them admitted."""
     tag: str
-
-
-@dataclass
-class DecodeResponse:
-    output_ids: np.ndarray  # int32 window of generated ids ...
-    text_range: tuple[int, int]  # ... and the byte range of it that is new text
-    input_token_count: int
-    output_token_count: int
-    finish_reason: str  # empty until the last response
-    visual_tokens_kept: np.ndarray  # int32, per image (echoed in every response)
-
-
-class ResponseSink(Protocol):
-    """Where one request's responses go (the adapter wraps Triton's response sender). A send may
-    raise when the client has gone away."""
-
-    def send(self, response: DecodeResponse | None, final: bool) -> None: ...  # None + final: just "done"
-    def send_error(self, message: str, busy: bool = False) -> None: ...  # the final response; busy: ServerBusy
-    def is_cancelled(self) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -136,25 +64,20 @@ class Pending:
     tokens_before: int  # the images' merged visual tokens before VisionZip
     opt_out: bool  # the client sent sere=false: this request keeps its top-K experts
     tag: str = ""
+    keep_ratio: float = 1.0
     seq: Sequence | None = None  # set when the engine thread admits the request
-
-
-def sampling_params(options: dict, default_max_tokens: int) -> SamplingParams:
-    max_tokens = options.get("max_tokens")
-    return SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else int(max_tokens),
-        temperature=float(options.get("temperature", 0.0)), top_p=float(options.get("top_p", 1.0)),
-        top_k=int(options.get("top_k", 0)), seed=options.get("random_seed"),
-        stop=tuple(s for s in options.get("stop_words", ()) if s), ignore_eos=bool(options.get("ignore_eos", False)))
 
 
 class DecoderService:
     def __init__(self, engine: LLMEngine, token_bytes: TokenBytes, config: DecoderConfig = DecoderConfig(),
-                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print,
-                 observe: Callable[[str, float], None] | None = None):
+                 publish: Callable[[dict[str, float]], None] | None = None, log_error: Callable[[str], None] = print,
+                 observe: Callable[[str, float], None] | None = None,
+                 degradation: DegradationConfig = DegradationConfig(),
+                 on_level: Callable[[int, str], None] | None = None):
         """publish(stats()) is called from the engine thread, at most every METRICS_PERIOD_S while
-        it works and whenever a request ends; observe(HISTOGRAMS name, seconds) once per finished
-        request and histogram."""
+        it works and whenever a request ends; observe(decoder_metrics.HISTOGRAMS name, value) once
+        per finished request and histogram; on_level(level, why) at each change of the degradation
+        level (never with ttft_target_ms 0)."""
         self.engine = engine
         self.token_bytes = token_bytes
         self.config = config
@@ -168,6 +91,9 @@ class DecoderService:
         self._cancel_tags: set[str] = set()  # tags of live requests that cancel() stops before the next step
         self._stop = threading.Event()
         self._published_at = 0.0
+        self._controller = (DegradationController(degradation.ttft_target_ms, engine.config.max_num_seqs)
+                            if degradation.ttft_target_ms else None)
+        self._on_level, self._ttfts, self._sampled_at = on_level, RecentTTFT(), 0.0
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "requests_rejected_busy", "ttft_us",
                                      "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
                                      "visual_tokens_kept"), 0)
@@ -180,13 +106,13 @@ class DecoderService:
         """Checks and queues a request; a bad one raises BadInput or engine.RequestError, and one beyond
         max_waiting_requests ServerBusy (nothing queued)."""
         params = sampling_params(request.options, self.config.default_max_tokens)
-        ids, visual, kept, before = self._splice(request)
+        ids, visual, kept, before = splice(request, self.engine.text)
         self.engine.check_request(ids, params, visual)
         self._join_waiting()  # after the checks: a request refused busy is one worth retrying as it is
         opt_out = not request.options.get("sere", True)
         self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
                                 TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, before,
-                                opt_out, request.tag))
+                                opt_out, request.tag, request.keep_ratio))
 
     def _join_waiting(self) -> None:
         limit = self.config.max_waiting_requests
@@ -205,40 +131,15 @@ class DecoderService:
         (a tag of a request already finished, or never seen, is ignored)."""
         self._inbox.put(Cancel(tag))
 
-    def _splice(self, request: DecodeRequest) -> tuple[list[int], VisualInputs | None, np.ndarray, int]:
-        """Expands each image placeholder to the tokens the vision encoder kept (none for text-only);
-        also returns the kept tokens per image and the images' tokens before VisionZip."""
-        v = request.visual
-        if v is None or v.kept.numel() == 0:
-            return request.input_ids, None, np.zeros(0, np.int32), 0
-        kept = v.kept.reshape(-1).int()
-        width, total, images = self.engine.text.hidden_size, int(kept.sum()), kept.numel()
-        # Everything must describe the same kept tokens: a request that does not is refused here, not
-        # in the middle of a batched step (where it would fail the other requests).
-        shapes = {"visual_embeds": (v.embeds, (total, width)), "visual_positions": (v.positions, (total, 2)),
-                  "image_grids": (v.grids, (images, 2))}
-        for name, (tensor, shape) in shapes.items():
-            if tensor is None or tuple(tensor.shape) != shape:
-                got = None if tensor is None else list(tensor.shape)
-                raise BadInput(f"{name} must have shape {list(shape)} for visual_tokens_kept {kept.tolist()}, got {got}")
-        if v.deepstack is None or v.deepstack.ndim != 3 or tuple(v.deepstack.shape[1:]) != (total, width):
-            raise BadInput(f"deepstack_embeds must have shape [layers, {total}, {width}]")
-        grids = [tuple(g) for g in v.grids.tolist()]
-        try:
-            ids, pos, delta = splice_images(request.input_ids, self.engine.text.image_token_id, kept.tolist(),
-                                            v.positions, grids)
-        except ValueError as e:
-            raise BadInput(str(e)) from None
-        before = sum(rows * cols for rows, cols in grids)
-        return ids, VisualInputs(v.embeds, v.deepstack, pos, delta), kept.numpy(), before
-
-    def stats(self) -> dict[str, int]:
-        """Counters (only grow) and gauges of the service, the engine's KV cache and its routing."""
-        sched = self.engine.scheduler
+    def stats(self) -> dict[str, float]:
+        """Counters (only grow) and gauges of the service, the engine's KV cache, its routing and the load."""
+        sched, control = self.engine.scheduler, self._controller
         return {**self.counts, "preemptions": sched.num_preemptions,
                 "kv_blocks_free": self.engine.blocks.num_free, "kv_blocks_total": self.engine.blocks.num_blocks,
                 "kv_capacity_tokens": self.engine.kv_capacity_tokens,
                 "running": len(sched.running), "waiting": len(sched.waiting),
+                "degradation_level": control.level if control else 0,
+                "load_pressure": round(control.pressure, 3) if control else 0.0,
                 **self.engine.routing_stats.snapshot()}
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
@@ -275,6 +176,7 @@ class DecoderService:
         self._drop_overdue()
         results = self.engine.step() if self.engine.has_work else []
         self._note_admitted()
+        self._sample_load()
         replies = []
         for seq, token in results:
             p = self._live.get(seq.seq_id)
@@ -293,6 +195,24 @@ class DecoderService:
             return
         self._published_at = now
         self._publish(self.stats())
+
+    def _sample_load(self) -> None:
+        """Once per metrics period (the loop turns at least every 0.1 s, idle or not): the load, and
+        the level from it."""
+        now = time.monotonic()
+        if self._controller is None or now - self._sampled_at < METRICS_PERIOD_S:
+            return
+        self._sampled_at = now
+        blocks = self.engine.blocks
+        no_token_yet = [p.arrival for p in self._live.values() if p.seq.first_token_time is None]
+        with self._waiting_lock:
+            waiting = self._waiting
+        load = Load(waiting, 1 - blocks.num_free / blocks.num_blocks,
+                    max(self._ttfts.p90(now), now - min(no_token_yet, default=now)))
+        before = self._controller.level
+        level = self._controller.update(now, load)
+        if level != before and self._on_level is not None:
+            self._on_level(level, self._controller.explain(load))
 
     def _admit(self, block: bool):
         try:
@@ -362,13 +282,16 @@ class DecoderService:
         """The response a new token calls for (None when not streaming and not finished); a finished
         request leaves the live set and is counted."""
         seq = p.seq
+        if len(seq.output_ids) == 1:
+            self._ttfts.add(seq.first_token_time, seq.first_token_time - seq.arrival)
         if p.text.push(token) and not seq.finished:
             self.engine.finish_stopped(seq)
         if not (p.stream or seq.finished):
             return None
         first, begin, end = p.text.release(final=seq.finished)
         response = DecodeResponse(np.asarray(seq.output_ids[first:], dtype=np.int32), (begin, end),
-                                  len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept)
+                                  len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept,
+                                  p.keep_ratio)
         if seq.finished:
             self._forget(p)
             self._record(p)
@@ -388,6 +311,8 @@ class DecoderService:
             self._observe("ttft_s", ttft_s)
             if gaps:
                 self._observe("itl_s", decode_s / gaps)
+            if p.tokens_kept.size:
+                self._observe("keep_ratio", p.keep_ratio)
 
     def _fail(self, p: Pending, message: str):
         self.engine.abort(p.seq)

@@ -5,13 +5,16 @@ sends and gets back). The client (`clients/triton_client.py`) is built from them
 read requests with them, and `tests/test_interface.py` checks every model's config.pbtxt against
 them. `DECODER_OPTIONS` are the client inputs that reach moe_decoder unchanged (the ensemble maps
 them, mm_qa_bls forwards them); `VISUAL_TOKENS` is what vision_encoder hands moe_decoder per
-request (docs/ARCHITECTURE.md has the whole table, producers and consumers).
+request, and `KEEP_RATIO_USED` goes with it (docs/ARCHITECTURE.md has the whole table, producers
+and consumers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from .load import DEFAULT_PRIORITY, MAX_PRIORITY
 
 # Triton's datatype names (what clients and the HTTP/JSON protocol use) -> numpy dtype.
 NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
@@ -62,8 +65,16 @@ CLIENT_INPUTS = _specs(
     TensorSpec("images", "BYTES", (-1,), True, (), "encoded images (JPEG, PNG, ...), in the order the question names them"),
     *DECODER_OPTIONS.values(),
     TensorSpec("visual_keep_ratio", "FP32", (1,), True, None,
-               "fraction of the request's visual tokens kept, in (0, 1] (server: keep_ratio)"),
+               "fraction of the request's visual tokens kept, in (0, 1] (server: keep_ratio); under load "
+               "a request of priority >= 1 may get less"),
+    TensorSpec("priority", "INT32", (1,), True, DEFAULT_PRIORITY,
+               f"0: the keep ratio is never lowered under load; 1 .. {MAX_PRIORITY}: lowered, higher numbers first"),
 )
+
+# The keep ratio VisionZip used: vision_encoder (mm_qa) or mm_qa_bls -> moe_decoder, which echoes it.
+KEEP_RATIO_USED = TensorSpec("visual_keep_ratio_used", "FP32", (1,), True,
+                             doc="the keep ratio VisionZip used for this request (the one its images would have "
+                                 "had when it has none)")
 
 CLIENT_OUTPUTS = _specs(
     TensorSpec("text_output", "BYTES", (1,), doc="the text delta when streaming, else the whole answer"),
@@ -71,6 +82,7 @@ CLIENT_OUTPUTS = _specs(
     TensorSpec("output_token_count", "INT32", (1,), doc="tokens generated so far"),
     TensorSpec("finish_reason", "BYTES", (1,), doc="eos, length or stop; empty until the last response (a cancelled request ends without one)"),
     TensorSpec("visual_tokens_kept", "INT32", (-1,), doc="visual tokens kept per image"),
+    TensorSpec(KEEP_RATIO_USED.name, "FP32", (1,), doc=KEEP_RATIO_USED.doc),
 )
 
 VISUAL_TOKENS = _specs(

@@ -1,8 +1,9 @@
 """Which dataclasses declare each Python model's config.pbtxt parameters (`settings.py` parses them).
 
 A setting lives beside the code it configures: the engine's in `EngineConfig`, VisionZip's in
-`VisionZipConfig` (read by vision_encoder, and by mm_qa_bls from vision_encoder's config.pbtxt),
-the services' in `DecoderConfig` and `PipelineConfig`; the two models without a core of their own
+`VisionZipConfig` (read by vision_encoder, and by mm_qa_bls from vision_encoder's config.pbtxt; the
+load-adaptive keep range too), the services' in `DecoderConfig` and `PipelineConfig`, the load
+controller's in `DegradationConfig` (moe_decoder); the two models without a core of their own
 declare theirs here.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..engine.engine import EngineConfig
 from ..settings import CheckpointConfig, device_setting, dtype_setting, load_format_setting, setting
 from ..visionzip import BUDGET_WEIGHTINGS, VisionZipConfig
 from .decoder import DecoderConfig
+from .load import DegradationConfig
 from .pipeline import PipelineConfig
 
 
@@ -39,6 +41,6 @@ MODEL_SETTINGS = {
     "postprocess": (CheckpointConfig,),
     "image_decode": (CheckpointConfig, ImageDecodeConfig),
     "vision_encoder": (CheckpointConfig, VisionEncoderConfig, VisionZipConfig),
-    "moe_decoder": (CheckpointConfig, DecoderConfig, EngineConfig),
+    "moe_decoder": (CheckpointConfig, DecoderConfig, DegradationConfig, EngineConfig),
     "mm_qa_bls": (PipelineConfig,),
 }

@@ -6,8 +6,9 @@
 the requests moe_decoder refuses busy. Per request, on a worker thread: preprocess -> each
 image's features from the cache or, for the misses (batched with other requests' misses by
 `VisionBatcher`), image_decode -> vision_encoder at keep ratio 1.0 -> VisionZip over all the
-request's images under one budget -> moe_decoder (streams) -> postprocess per response ->
-client. The cache holds features *before* VisionZip, so a cached image serves any keep ratio; it
+request's images under one budget, at the keep ratio the degradation level and the request's
+priority give (`serving.load`) -> moe_decoder (streams) -> postprocess per response -> client.
+The cache holds features *before* VisionZip, so a cached image serves any keep ratio; it
 lives in host memory, so this path copies each missed image's features to the host once and the
 kept tokens back to moe_decoder (mm_qa keeps them on the GPU all the way).
 
@@ -27,15 +28,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
+import numpy as np
 import torch
 
 from ..embedding_cache import EmbeddingCache, content_key
 from ..settings import setting
 from ..visionzip import ImageFeatures, VisionZipConfig, compress, decoder_inputs
 from .errors import SHUTTING_DOWN, BadInput, ModelError, ServerBusy, internal_error, server_busy
+from .load import DEFAULT_PRIORITY, KeepChooser, check_priority
 
 # moe_decoder outputs that go to the client as they are (text_output comes from postprocess).
-RELAYED = ("input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept")
+RELAYED = ("input_token_count", "output_token_count", "finish_reason", "visual_tokens_kept", "visual_keep_ratio_used")
 # stats() name -> (Prometheus metric, help), as the adapter publishes them.
 METRICS = {
     "hits": ("zipmoe_bls_cache_hits_total", "Images whose vision features came from the cache"),
@@ -64,6 +67,7 @@ class QARequest:
     images: list[bytes]
     keep_ratio: float | None  # None: vision_encoder's keep_ratio
     decoder_inputs: dict  # the client's DECODER_OPTIONS, passed on to moe_decoder as they came
+    priority: int = DEFAULT_PRIORITY
 
 
 class DecoderStream(Protocol):
@@ -165,9 +169,12 @@ class VisionBatcher:
 
 class QAPipeline:
     def __init__(self, calls: ModelCalls, config: PipelineConfig, visionzip: VisionZipConfig,
-                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print):
-        """publish(stats()) is called after each request's cache lookups and each refusal."""
+                 publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print,
+                 level: Callable[[], int] = lambda: 0):
+        """publish(stats()) is called once each request's keep ratio is chosen (its cache lookups
+        done) and after each refusal; level() reads moe_decoder's degradation level."""
         self.calls, self.config, self.visionzip = calls, config, visionzip
+        self.keep = KeepChooser(visionzip.keep_ratio, visionzip.keep_ratio_min, level)
         self._publish, self._log_error = publish, log_error
         self.cache = EmbeddingCache(config.cache_bytes)
         self.vision = VisionBatcher(calls.encode_images, config.max_images)
@@ -188,6 +195,7 @@ class QAPipeline:
                 raise BadInput(f"image {i}: empty")
         if request.keep_ratio is not None and not 0.0 < request.keep_ratio <= 1.0:
             raise BadInput(f"visual_keep_ratio must be in (0, 1], got {request.keep_ratio}")
+        check_priority(request.priority)
 
     def submit(self, request: QARequest, sink: ClientSink) -> None:
         """Checks the request (BadInput, nothing started) and answers it on a worker thread; ServerBusy
@@ -227,11 +235,15 @@ class QAPipeline:
 
     def _answer(self, request: QARequest, sink: ClientSink) -> None:
         decoder_in = {"input_ids": self.calls.tokenize(request.question, request.images), **request.decoder_inputs}
-        if request.images:
+        features = self._features(request.images) if request.images else []
+        # The level is read after the vision work: the latest moment before the decoder takes the request.
+        ratio = self.keep.choose(request.keep_ratio, request.priority, len(request.images))
+        if self._publish is not None:  # the cache's counts, and self.keep.degraded
+            self._publish(self.stats())
+        decoder_in["visual_keep_ratio_used"] = np.asarray([ratio], np.float32)
+        if features:
             vz = self.visionzip
-            ratio = vz.keep_ratio if request.keep_ratio is None else request.keep_ratio
-            tokens = compress(self._features(request.images), ratio, vz.context_fraction, vz.min_tokens_per_image)
-            decoder_in.update(decoder_inputs(tokens))
+            decoder_in.update(decoder_inputs(compress(features, ratio, vz.context_fraction, vz.min_tokens_per_image)))
         if sink.is_cancelled():
             return
         stream = self.calls.decode(decoder_in)
@@ -263,8 +275,6 @@ class QAPipeline:
             for key, value in zip(missing, computed):
                 self.cache.put(key, value)
                 found[key] = value
-        if self._publish is not None:
-            self._publish(self.stats())
         return [found[key] for key in keys]
 
     def stats(self) -> dict[str, int]:

@@ -1,0 +1,46 @@
+"""moe_decoder's Prometheus metrics: what `DecoderService.stats()` and `observe()` name, and what the
+adapter (`models/moe_decoder.py`) publishes each as."""
+
+# stats() name -> (Prometheus metric, help), as the adapter publishes them; counters only grow.
+COUNTERS = {
+    "requests_completed": ("zipmoe_requests_completed_total", "Requests that finished generating"),
+    "ttft_us": ("zipmoe_ttft_microseconds_total", "Sum of time to first token (arrival to first token)"),
+    "decode_us": ("zipmoe_decode_microseconds_total", "Sum of time from first to last token"),
+    "decode_tokens": ("zipmoe_decode_tokens_total", "Tokens generated after the first one"),
+    "prompt_tokens": ("zipmoe_prompt_tokens_total", "Prompt tokens prefilled"),
+    "preemptions": ("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks"),
+    "requests_cancelled": ("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled"),
+    "requests_rejected_busy": ("zipmoe_requests_rejected_busy_total",
+                               "Requests refused busy: max_waiting_requests waiting, or max_queue_delay_ms passed"),
+    # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
+    "layer_steps": ("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
+    "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
+    "union_after": ("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
+    "rerouted_slots": ("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
+    # VisionZip, whichever path compressed (mm_qa's vision_encoder or mm_qa_bls): kept / before.
+    "visual_tokens": ("zipmoe_visual_tokens_total", "Merged visual tokens of the requests' images, before VisionZip"),
+    "visual_tokens_kept": ("zipmoe_visual_tokens_kept_total", "Visual tokens kept by VisionZip and prefilled"),
+}
+GAUGES = {
+    "kv_blocks_free": ("zipmoe_kv_blocks_free", "KV cache blocks not held by any sequence"),
+    "kv_blocks_total": ("zipmoe_kv_blocks_total", "KV cache blocks in all"),
+    "kv_capacity_tokens": ("zipmoe_kv_capacity_tokens", "Tokens the KV cache holds (sized at load)"),
+    "running": ("zipmoe_running_requests", "Sequences admitted: decoding, or their prompt being prefilled"),
+    "waiting": ("zipmoe_waiting_requests", "Sequences waiting for admission"),
+    "degradation_level": ("zipmoe_degradation_level", "Load-adaptive keep ratio: the level (0: no request degraded)"),
+    "load_pressure": ("zipmoe_load_pressure", "Largest of waiting / max_num_seqs, KV used / high water, "
+                                              "TTFT / ttft_target_ms (1: at the limit)"),
+}
+# observe() name -> (Prometheus histogram, help, bucket upper bounds); one observation per
+# finished request (an observation is a round trip to the server, too dear per token). The inter-token
+# latency is the request's mean, (last token - first token) / (tokens - 1), as genai-perf and AIPerf
+# define it per request.
+HISTOGRAMS = {
+    "ttft_s": ("zipmoe_ttft_seconds", "Time to first token per request (arrival at moe_decoder to first token)",
+               (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
+    "itl_s": ("zipmoe_inter_token_latency_seconds", "Mean time between a request's tokens after the first",
+              (0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)),
+    # Requests with images only (whichever path chose it: vision_encoder or mm_qa_bls).
+    "keep_ratio": ("zipmoe_visual_keep_ratio", "Keep ratio VisionZip used per request with images",
+                   (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)),
+}
