@@ -24,8 +24,10 @@ import io
 import json
 import random
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -63,18 +65,24 @@ DESCRIBE_QUESTION = "what does image {i} show?"
 __all__ = [
     "IMAGE_SIZE", "TASKS", "SPLITS", "SHAPES", "COLOURS", "QUESTIONS", "DESCRIBE_QUESTION", "Example",
     "make_example", "make_describe_example", "describe", "READING_SLOTS", "NO_DIGIT",
-    "split_seed", "examples", "png_bytes", "vocabulary", "tokenize",
+    "split_seed", "examples", "png_bytes", "vocabulary", "tokenize", "QAExample", "write_examples", "examples_cli",
 ]
 
 
 @dataclass(frozen=True)
-class Example:
+class QAExample:
+    """A multi-image question and its answer: what write_examples needs (build/taskset_v2.py's
+    examples are QAExamples too)."""
     images: tuple[Image.Image, ...]
     kinds: tuple[str, ...]  # "dense" | "plain", one per image
     question: str
     answer: str
     task: str
     seed: int
+
+
+@dataclass(frozen=True)
+class Example(QAExample):
     readings: tuple[tuple[int, ...], ...] = ()  # per image, the digits it shows (see _readings)
 
 
@@ -448,23 +456,40 @@ def vocabulary() -> list[str]:
     return sorted(words)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_examples(out: Path, split: str, exs: Iterable[QAExample],
+                   extra: Callable[[Any], dict] | None = None) -> None:
+    """Write out/<seed>_<k>.png for every image (k = 1-based image number, as in the questions) and one
+    out/examples.jsonl line per example: seed, split, task, question, answer, kinds, image file names,
+    then the fields extra(ex) adds (build/taskset_v2.py: each image's visual tokens)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "examples.jsonl", "w") as f:
+        for ex in exs:
+            names = []
+            for k, img in enumerate(ex.images, start=1):
+                names.append(f"{ex.seed}_{k}.png")
+                (out / names[-1]).write_bytes(png_bytes(img))
+            f.write(json.dumps({"seed": ex.seed, "split": split, "task": ex.task, "question": ex.question,
+                                "answer": ex.answer, "kinds": list(ex.kinds), "images": names,
+                                **(extra(ex) if extra is not None else {})}) + "\n")
+
+
+def examples_cli(argv: list[str] | None, description: str,
+                 make_examples: Callable[[str, int, int], Iterable[QAExample]],
+                 extra: Callable[[Any], dict] | None = None) -> None:
+    """`--split S --n N [--start K] --out DIR`: write_examples of make_examples(S, N, K) to DIR.
+    This module's command line, and task set v2's (same splits, its own examples)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--split", default="test", choices=SPLITS)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "examples.jsonl", "w") as f:
-        for ex in examples(args.split, args.n, args.start):
-            names = []
-            for k, img in enumerate(ex.images, start=1):
-                names.append(f"{ex.seed}_{k}.png")
-                (args.out / names[-1]).write_bytes(png_bytes(img))
-            f.write(json.dumps({"seed": ex.seed, "split": args.split, "task": ex.task, "question": ex.question,
-                                "answer": ex.answer, "kinds": list(ex.kinds), "images": names}) + "\n")
+    write_examples(args.out, args.split, make_examples(args.split, args.n, args.start), extra)
     print(f"wrote {args.n} examples to {args.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    examples_cli(argv, __doc__.splitlines()[0], examples)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Synthetic multi-image notes QA data: determinism, splits, unambiguous answers, image properties."""
+"""Synthetic multi-image notes QA data: determinism, splits, unambiguous answers, image properties.
+Its digest and CLI checks serve tests/test_taskset_v2.py too."""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,12 +28,28 @@ def sample():
     return [(ex, nd._plan(ex.seed)) for ex in exs]
 
 
-def _digest(ex: nd.Example) -> str:
+FIELDS = ("question", "answer", "task", "kinds")
+
+
+def digest(ex, fields: tuple[str, ...] = FIELDS) -> str:
+    """sha256 of an example's pixels and of the named fields (tests/test_taskset_v2.py adds its marks)."""
     h = hashlib.sha256()
     for im in ex.images:
         h.update(im.tobytes())
-    h.update(f"{ex.question}|{ex.answer}|{ex.task}|{ex.kinds}".encode())
+    h.update("|".join(str(getattr(ex, f)) for f in fields).encode())
     return h.hexdigest()
+
+
+def digests_in_another_process(module: str, seeds: tuple[int, ...], fields: tuple[str, ...] = FIELDS,
+                               hash_seed: str = "12345") -> list[str]:
+    """digest() of zipmoe.build.<module>.make_example(seed) for each seed, computed by a fresh
+    interpreter with another PYTHONHASHSEED: nothing may depend on set or dict order."""
+    code = (f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            f"from test_notes_data import digest\nfrom zipmoe.build import {module} as m\n"
+            f"for s in {seeds!r}:\n    print(digest(m.make_example(s), {fields!r}))\n")
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return out.split()
 
 
 def test_constants():
@@ -44,19 +62,12 @@ def test_deterministic_in_process():
     for seed in (0, 1, 17, 12345):
         a, b = nd.make_example(seed), nd.make_example(seed)
         assert a == b  # dataclass eq compares PIL images by pixels
-        assert _digest(a) == _digest(b)
-    assert _digest(nd.make_example(0)) != _digest(nd.make_example(1))
+        assert digest(a) == digest(b)
+    assert digest(nd.make_example(0)) != digest(nd.make_example(1))
 
 
 def test_deterministic_across_processes():
-    code = ("import hashlib\nfrom zipmoe.build import notes_data as nd\n"
-            "for s in (3, 4, 5):\n"
-            "    ex = nd.make_example(s); h = hashlib.sha256()\n"
-            "    [h.update(im.tobytes()) for im in ex.images]\n"
-            "    h.update(f'{ex.question}|{ex.answer}|{ex.task}|{ex.kinds}'.encode()); print(h.hexdigest())\n")
-    env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == [_digest(nd.make_example(s)) for s in (3, 4, 5)]
+    assert digests_in_another_process("notes_data", (3, 4, 5)) == [digest(nd.make_example(s)) for s in (3, 4, 5)]
 
 
 def test_splits_disjoint():
@@ -175,16 +186,26 @@ def test_png_bytes_round_trip():
         assert back.tobytes() == im.tobytes()
 
 
-def test_cli_writes_images_and_jsonl(tmp_path):
-    nd.main(["--split", "test", "--n", "3", "--out", str(tmp_path)])
-    rows = [json.loads(line) for line in (tmp_path / "examples.jsonl").read_text().splitlines()]
-    assert [r["seed"] for r in rows] == [nd.split_seed("test", i) for i in range(3)]
-    for r in rows:
-        ex = nd.make_example(r["seed"])
-        assert (r["question"], r["answer"], r["task"], tuple(r["kinds"])) == (ex.question, ex.answer, ex.task, ex.kinds)
+def check_cli(module, split: str, n: int, out) -> list[tuple[dict, object]]:
+    """Run module.main for the first n examples of a split into `out` and check what it wrote (one
+    jsonl line per example, in order, with its facts; its images as lossless PNGs named by seed and
+    number); (row, example) pairs for the caller's own checks (tests/test_taskset_v2.py too)."""
+    module.main(["--split", split, "--n", str(n), "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [module.split_seed(split, i) for i in range(n)]
+    pairs = [(r, module.make_example(r["seed"])) for r in rows]
+    for r, ex in pairs:
+        assert (r["split"], r["question"], r["answer"], r["task"], tuple(r["kinds"])) == \
+            (split, ex.question, ex.answer, ex.task, ex.kinds)
         assert r["images"] == [f"{ex.seed}_{k}.png" for k in range(1, len(ex.images) + 1)]
         for name, im in zip(r["images"], ex.images):
-            assert Image.open(tmp_path / name).tobytes() == im.tobytes()
+            assert Image.open(out / name).tobytes() == im.tobytes()
+    return pairs
+
+
+def test_cli_writes_images_and_jsonl(tmp_path):
+    for row, _ in check_cli(nd, "test", 3, tmp_path):
+        assert set(row) == {"seed", "split", "task", "question", "answer", "kinds", "images"}  # nothing else
 
 
 def test_describe_examples_say_what_the_asked_image_shows():

@@ -1,0 +1,213 @@
+"""Train the larger Qwen3-VL-MoE of issue 18 from scratch on task set v2 (`build/taskset_v2.py`).
+
+    python -m zipmoe.build.train_v2 --out checkpoints/v2                 # H200: <= 20 min end to end
+    python -m zipmoe.build.train_v2 --out /tmp/v2-smoke --smoke          # CPU, tiny shapes, well under 2 min
+
+The recipe `build/train_tiny.py` uses, shared in `build/training.py` (the production model class, a
+byte-level BPE learned on the task's own text with digits one token each, inputs built exactly as
+the server builds them, loss on the answer and <|im_end|> plus the router's balancing loss,
+examples drawn by seed from the train split by DataLoader workers, a clock-bound run whose
+learning rate follows elapsed time), with what task set v2 needs (`build/train_v2_vision.py`):
+images of many sizes, uint8 pixels from the workers, normalised on the device, and a per-token
+reading head in place of the per-image digit head; validation adds token F1.
+
+Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
+  text: 256 wide, 6 MoE layers of 64 experts 64 wide, top-8 (Qwen3-30B-A3B's 128 / top-8 ratio
+  halved: a decode batch of 16 reaches up to ~56 of 64 experts under uniform routing, so re-routing
+  has room, and a top-2 truncation drops three quarters of each token's expert compute);
+  vocabulary 832 (822 used);
+  vision: 8 layers of 192 (3 heads of 64), DeepStack from layers 2 and 5, a 32 x 32 position table.
+
+Throughput estimate (H200; not measured: the run logs what it gets in train_log.json "throughput").
+Task set v2 averages 3.09 images of 444 merged tokens an example: ~1,420 decoder tokens and ~5,490
+vision patches, in images of ~1,890 patches (patch-weighted mean, which sets the attention cost).
+Training FLOPs (3 x forward): vision ~54 MFLOP/patch (forward: 6.5 linear + 11.6 attention)
+-> ~297 GFLOP; decoder ~49 MFLOP/token (forward: 7.7 active parameters + 8.7 attention)
+-> ~70 GFLOP; ~367 GFLOP an example, 23.5 TFLOP a step of 64. At 150-250 TFLOP/s sustained
+(15-25 % of the bf16 peak at these narrow widths) plus a guessed ~0.2 s of per-step overhead, a
+step takes ~0.3-0.45 s: ~140-210 examples/s, i.e. ~200-300 k decoder tokens/s and ~0.8-1.15 M
+vision patches/s. The workers need ~21 ms of CPU an example (measured on this repository's CPU
+box: rendering 16 ms, then patchify and splice), so 14 workers supply ~650 examples/s and the GPU
+sets the pace. Defaults: batch 64, 16 minutes of training, at most 2,400 steps (~154 k examples,
+mid-range of the 135-200 k the estimate gives for 16 min); whichever limit comes first ends the
+run and its learning-rate decay. Tokenizer, validation (256 examples every 4 minutes), saving
+and SERE calibration take the rest of the 20 minutes.
+
+Writes a Hugging Face checkpoint (bf16) like checkpoints/notes: tokenizer, config, generation and
+image processor configs (longest_edge 1024 x 1024 pixels, so 896 x 896 images are not resized),
+`train_log.json` (settings, losses, throughput, validation teacher-forced exact match and token F1
+per task) and `sere.safetensors` (SERE calibration).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+from zipmoe.build import taskset_v2 as ts
+from zipmoe.build.tiny_checkpoint import PREPROCESSOR_CONFIG
+from zipmoe.build.training import (SplitDataset, answer_exact_match, eval_batches, finish, fit, loaders, move_batch,
+                                   set_up)
+from zipmoe.build.training import collate  # noqa: F401  (re-exported: callers collate batches through this module)
+from zipmoe.build.train_v2_vision import (GROUPED_IMAGE_ATTENTION, TokenReadingHead, device_pixels,
+                                          grid_cached_vision_inputs, token_readings, uint8_patches)
+from zipmoe.clients.quality_metrics import exact_match, token_f1
+
+TOKENIZER_VOCAB = 1024  # the BPE stops at 822 on this corpus: every word of the task whole
+MAX_PIXELS = 1024 * 1024  # the image processor's longest_edge: task set v2's 896 x 896 stays as drawn
+_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_interleaved": True}
+SIZES = {
+    "v2": (dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                num_experts=64, num_experts_per_tok=8, moe_intermediate_size=64, intermediate_size=512,
+                router_aux_loss_coef=0.01, rope_parameters={**_ROPE, "mrope_section": [16, 8, 8]}),
+           dict(depth=8, hidden_size=192, num_heads=3, intermediate_size=384, out_hidden_size=256,
+                deepstack_visual_indexes=[2, 5], num_position_embeddings=1024)),
+    # The tiny checkpoint's widths with v2's structure (more experts than top-k x 4, top-4, the same
+    # position table): for tests on a CPU.
+    "smoke": (dict(num_experts=32, num_experts_per_tok=4, router_aux_loss_coef=0.01),
+              dict(num_position_embeddings=1024)),
+}
+SMOKE = dict(size="smoke", steps=2, batch=2, minutes=2.0, device="cpu", workers=0, val_examples=2,
+             calibration_prompts=4)
+
+
+class TaskSetV2Dataset(SplitDataset):
+    """Example i of a split as model inputs, the keys `training.collate` takes: ids, labels
+    (answer and <|im_end|> only), mRoPE positions, uint8 pixels, grids, task, per-token readings."""
+
+    def __getitem__(self, i: int) -> dict:
+        ex = ts.make_example(ts.split_seed(self.split, self.start + i))
+        pixels, grids, merged, readings = [], [], [], []
+        for image, marks in zip(ex.images, ex.marks):
+            pixels.append(uint8_patches(image, self.patch, self.merge))
+            gh, gw = image.height // self.patch, image.width // self.patch
+            grids.append([1, gh, gw])
+            merged.append((gh // self.merge, gw // self.merge))
+            readings.append(token_readings(marks, image.size, self.patch * self.merge))
+        return {**self.text_inputs(ex.question, ex.answer, merged), "pixels": torch.cat(pixels),
+                "grids": torch.tensor(grids), "task": ts.TASKS.index(ex.task), "readings": torch.cat(readings)}
+
+
+def to_device(data: dict, dev: torch.device, temporal: int) -> dict:
+    """A collated batch on the device, pixels normalised there (see device_pixels)."""
+    data = move_batch(data, dev)
+    data["pixel_values"] = device_pixels(data["pixel_values"], temporal)
+    return data
+
+
+def answer_texts(logits: torch.Tensor, labels: torch.Tensor, tokenizer) -> tuple[list[str], list[str]]:
+    """Teacher-forced predicted and reference answers, decoded (special tokens dropped)."""
+    pred, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    out = ([], [])
+    for p, t in zip(pred, target):
+        keep = t != -100
+        out[0].append(tokenizer.decode(p[keep].tolist(), skip_special_tokens=True))
+        out[1].append(tokenizer.decode(t[keep].tolist(), skip_special_tokens=True))
+    return out
+
+
+def validate(model, loader, device, tokenizer, temporal: int) -> dict:
+    """Validation loss; teacher-forced exact match (every answer token) and token F1 of the
+    decoded answers (clients/quality_metrics), overall and per task."""
+    losses, rows = [], []
+    on_device = functools.partial(to_device, dev=device, temporal=temporal)
+    for task, batch, out in eval_batches(model, loader, device, on_device):
+        losses.append(float(out.loss))
+        hits = answer_exact_match(out.logits, batch["labels"]).tolist()
+        for t, hit, (p, ref) in zip(task.tolist(), hits, zip(*answer_texts(out.logits, batch["labels"], tokenizer))):
+            rows.append((ts.TASKS[t], float(hit), token_f1(p, ref), exact_match(p, ref)))
+    by_task = {}
+    for name in ts.TASKS:
+        mine = [r for r in rows if r[0] == name]
+        if mine:
+            by_task[name] = {"exact": round(sum(r[1] for r in mine) / len(mine), 4),
+                             "f1": round(sum(r[2] for r in mine) / len(mine), 4)}
+    return {"loss": round(sum(losses) / len(losses), 4), "exact_match": round(sum(r[1] for r in rows) / len(rows), 4),
+            "f1": round(sum(r[2] for r in rows) / len(rows), 4),
+            "squad_exact": round(sum(r[3] for r in rows) / len(rows), 4), "by_task": by_task}
+
+
+def write_preprocessor_config(out: Path) -> None:
+    """save_model writes the tiny checkpoint's image processor (at most 512 x 512 pixels); v2's
+    images go up to 896 x 896 and must reach the tower as drawn."""
+    cfg = {**PREPROCESSOR_CONFIG, "size": {**PREPROCESSOR_CONFIG["size"], "longest_edge": MAX_PIXELS}}
+    (out / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def train(out: str | Path, size: str = "v2", steps: int = 2400, batch: int = 64, minutes: float = 16.0,
+          lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
+          val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
+          experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64) -> dict:
+    run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
+                 vision_attention=GROUPED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
+    dev, temporal = run.device, run.config.vision_config.temporal_patch_size
+    reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size).to(dev)
+    print(f"{run.out}: {run.params / 1e6:.1f} M parameters ({2 * run.params / 1e6:.1f} MB in bf16), training on {dev}")
+
+    # ~21 ms of CPU per example (rendering three large images): the loader needs the machine's cores.
+    train_loader, val_loader = loaders(run, TaskSetV2Dataset(run.out, "train", steps * batch),
+                                       TaskSetV2Dataset(run.out, "validation", val_examples), batch, workers,
+                                       pin_memory=dev.type == "cuda")
+    log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
+                 "reading_loss": reading_loss, "task_set": "v2"}
+    counted = {"examples": 0, "tokens": 0, "patches": 0}
+
+    def count_and_move(data: dict) -> dict:
+        counted["examples"] += data["input_ids"].shape[0]
+        counted["tokens"] += int(data["attention_mask"].sum())
+        counted["patches"] += data["pixel_values"].shape[0]
+        return to_device(data, dev, temporal)
+
+    validation = functools.partial(validate, run.model, val_loader, dev, run.tokenizer, temporal)
+    seconds = fit(run, reading, train_loader, log, steps=steps, lr=lr, minutes=minutes, reading_loss=reading_loss,
+                  val_every_minutes=val_every_minutes, validate=validation, to_device=count_and_move)
+    # Includes validation time and the workers' start: a lower bound of the training rate.
+    log["throughput"] = {f"{k}_per_second": round(v / seconds, 1) for k, v in counted.items()}
+    final = validation()
+    log.update(val_loss=final["loss"], val_exact_match=final["exact_match"], val_f1=final["f1"],
+               val_by_task=final["by_task"])
+    print(f"{run.out}: {log['steps']} steps in {log['minutes']} min ({log['skipped_steps']} non-finite skipped), "
+          f"{log['throughput']}, final loss {log['final_loss']}, validation loss {log['val_loss']:.4f}, "
+          f"teacher-forced exact match {log['val_exact_match']:.3f}, F1 {log['val_f1']:.3f}")
+    questions = [p.question for p in ts.plans("validation", calibration_prompts)] if calibrate_sere else None
+    return finish(run, log, questions, extra_files=write_preprocessor_config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    default = {name: param.default for name, param in inspect.signature(train).parameters.items()}  # one source
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true",
+                   help=f"CPU end-to-end check at tiny shapes ({', '.join(f'{k}={v}' for k, v in SMOKE.items())}); "
+                        "other flags given explicitly still apply")
+    p.add_argument("--size", choices=sorted(SIZES), default=None, help=f"default {default['size']}")
+    p.add_argument("--steps", type=int, default=None, help=f"at most this many steps (default {default['steps']})")
+    p.add_argument("--batch", type=int, default=None, help=f"default {default['batch']}")
+    p.add_argument("--minutes", type=float, default=None,
+                   help=f"stop training after this long (default {default['minutes']})")
+    p.add_argument("--lr", type=float, default=None, help=f"default {default['lr']}")
+    p.add_argument("--val-every", dest="val_every_minutes", type=float, default=None,
+                   help=f"minutes between validation runs (default {default['val_every_minutes']})")
+    p.add_argument("--val-examples", type=int, default=None, help=f"default {default['val_examples']}")
+    p.add_argument("--experts", choices=("grouped_mm", "eager"), default=None,
+                   help="transformers' experts implementation while training (default grouped_mm)")
+    p.add_argument("--reading-loss", type=float, default=None,
+                   help=f"weight of the per-token reading head (0: off; default {default['reading_loss']})")
+    p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--workers", type=int, default=None)
+    args = vars(p.parse_args(argv))
+    settings = SMOKE.copy() if args.pop("smoke") else {}
+    settings.update({k: v for k, v in args.items() if v is not None})
+    train(**settings)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Vision-side helpers for `build/train_v2.py`: images of many sizes, pixels as uint8, per-token reading.
+
+train_tiny's shortcuts assume one image size (one batched SDPA, one grid of rotary positions, a
+reading head over a fixed number of tokens). Task set v2 (`build/taskset_v2.py`) draws images of
+448..896 px a side, so here:
+  - `grouped_image_attention`: one SDPA per distinct image length (the serving tower's grouping,
+    `zipmoe.vision.attention_groups`) instead of transformers' loop over images;
+  - `grid_cached_vision_inputs`: rotary position ids built once per distinct grid, then concatenated;
+  - `uint8_patches` (in the DataLoader workers) and `device_pixels` (on the training device): the
+    workers ship patchified uint8 pixels without the temporal copy (an eighth of the float32
+    bytes), and the device normalises and duplicates them, which gives exactly
+    `patchify(pixels_of(image), patch, merge, temporal)` (tested);
+  - `TokenReadingHead` with labels from `token_readings`: each merged visual token learns which
+    characters (task set v2's `Mark`s) lie in its 32 x 32 pixel block. Training only, not saved.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.vision_utils import get_vision_position_ids
+
+from zipmoe.build.taskset_v2_docs import CHARSET, Mark
+from zipmoe.build.training import MergedTokensHead
+from zipmoe.vision import attention_groups, patchify
+
+READING_SLOTS = 4  # characters a 32-px block holds at the fonts used (18-24 px text; 36-44 px prices)
+END = len(CHARSET)  # class after a block's last character (or alone: the block shows no text)
+READING_CLASSES = len(CHARSET) + 1
+IGNORE = -100  # cross_entropy's ignore_index: slots after END
+
+# transformers hands the vision attention packed images and their cu_seqlens only for attention
+# names containing "flash" (the varlen path); the rest of the name says what runs.
+GROUPED_IMAGE_ATTENTION = "flash_grouped_images_sdpa"
+
+
+def grouped_image_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            cu_seq_lens_q=None, **kwargs):
+    """query/key/value [1, heads, N, dim] packing images of any lengths -> ([1, N, heads, dim], None).
+    Images of one length (wherever they are in the batch) share one SDPA call."""
+    heads, n_tokens, dim = query.shape[1:]
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    out = query.new_empty(n_tokens, heads, dim)
+    for length, rows in attention_groups(lengths, query.device):
+        q, k, v = (t[0][:, rows].view(heads, -1, length, dim).transpose(0, 1) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)  # [images, heads, L, dim]
+        out[rows] = o.permute(0, 2, 1, 3).reshape(-1, heads, dim)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(GROUPED_IMAGE_ATTENTION, grouped_image_attention)
+
+
+def grid_cached_vision_inputs(visual) -> None:
+    """Hand the vision tower its rotary position ids from a cache per grid (the tower's helper
+    builds them image by image, ~10 small ops each, every step)."""
+    cache: dict = {}
+
+    def hook(module, args, kwargs):
+        grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]
+        parts = []
+        for grid in grid_thw.tolist():
+            key = tuple(grid)
+            if key not in cache:
+                cache[key] = get_vision_position_ids(torch.tensor([grid], device=grid_thw.device),
+                                                     module.spatial_merge_size)
+            parts.append(cache[key])
+        kwargs["position_ids"] = torch.cat(parts)
+        return args, kwargs
+
+    visual.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def uint8_patches(image, patch: int, merge: int) -> torch.Tensor:
+    """PIL image (sides multiples of patch * merge) -> [patches, 3 * patch * patch] uint8 in Qwen's
+    patch order, one temporal copy (device_pixels adds the second)."""
+    x = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy()).permute(2, 0, 1)
+    return patchify(x, patch, merge, 1)
+
+
+def device_pixels(patches: torch.Tensor, temporal: int, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+    """uint8_patches (any device) -> float32 [patches, 3 * temporal * patch * patch], normalised as
+    `pixels_of` does (Qwen-VL's mean and std, 0.5 for every channel) and repeated over time as
+    transformers does for still images."""
+    n, width = patches.shape
+    x = (patches.float() / 255.0 - mean) / std
+    return x.view(n, 3, 1, width // 3).expand(n, 3, temporal, width // 3).reshape(n, 3 * temporal * (width // 3))
+
+
+def token_readings(marks: tuple[Mark, ...], size: tuple[int, int], block: int = 32) -> torch.Tensor:
+    """Per merged token (raster order over the (H/block, W/block) grid), the characters whose ink
+    centre lies in its block, left to right: [tokens, READING_SLOTS] class ids, END after the last
+    one (a block without text is [END, IGNORE, ...]) and IGNORE after END; a block with more than
+    READING_SLOTS characters keeps its first ones."""
+    cols, rows = size[0] // block, size[1] // block
+    cells: dict[int, list[tuple[float, str]]] = {}
+    for m in marks:
+        r, c = min(rows - 1, max(0, int(m.y // block))), min(cols - 1, max(0, int(m.x // block)))
+        cells.setdefault(r * cols + c, []).append((m.x, m.char))
+    labels = torch.full((rows * cols, READING_SLOTS), IGNORE, dtype=torch.long)
+    labels[:, 0] = END
+    for cell, chars in cells.items():
+        ids = [CHARSET.index(ch) for _, ch in sorted(chars)][:READING_SLOTS]
+        labels[cell, :len(ids)] = torch.tensor(ids)
+        if len(ids) < READING_SLOTS:
+            labels[cell, len(ids)] = END
+    return labels
+
+
+class TokenReadingHead(MergedTokensHead):
+    """Training-only auxiliary head: each merged visual token -> the characters in its block.
+
+    train_tiny's ReadingHead (one image's digits from all its tokens) made the notes tower read;
+    images of any size need a per-token target, and a dense one: every block of every image says
+    what it shows, so the tower learns to read before the decoder learns where to look."""
+
+    def __init__(self, visual: torch.nn.Module, width: int):
+        super().__init__(visual)
+        self.linear = torch.nn.Linear(width, READING_SLOTS * READING_CLASSES)
+
+    def loss(self, readings: torch.Tensor) -> torch.Tensor:
+        """readings [merged tokens of the batch, READING_SLOTS] -> mean cross-entropy of the labelled slots."""
+        logits = self.linear(self.merged.float()).view(-1, READING_CLASSES)
+        return F.cross_entropy(logits, readings.view(-1), ignore_index=IGNORE)

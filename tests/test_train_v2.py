@@ -1,0 +1,175 @@
+"""build/train_v2.py on a CPU: the smoke run writes a checkpoint the engine and the vision encoder
+load, its inputs are the server's, and the vision shortcuts for images of many sizes match the
+tower's own per-image loops."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from zipmoe.build import taskset_v2 as ts
+from zipmoe.build.train_v2 import MAX_PIXELS, SMOKE, TaskSetV2Dataset, collate, train
+from zipmoe.build.train_v2_vision import (END, GROUPED_IMAGE_ATTENTION, IGNORE, READING_SLOTS, device_pixels,
+                                          grid_cached_vision_inputs, token_readings, uint8_patches)
+from zipmoe.build.taskset_v2_docs import CHARSET, Mark
+from zipmoe.prompt import ChatPrompt
+from zipmoe.vision import patchify, pixels_of
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The --smoke run (about 10 s on two cores: tokenizer, 2 steps of 2 examples, validation,
+    saving, SERE calibration)."""
+    out = tmp_path_factory.mktemp("v2smoke")
+    start = time.monotonic()
+    log = train(out, **SMOKE)
+    return out, log, time.monotonic() - start
+
+
+def _batch(checkpoint, split: str, n: int) -> dict:
+    data = TaskSetV2Dataset(checkpoint, split, n)
+    image_token = json.loads((checkpoint / "config.json").read_text())["image_token_id"]
+    return collate([data[i] for i in range(n)], pad_id=0, image_token=image_token)
+
+
+def test_smoke_run_writes_a_servable_checkpoint(smoke):
+    from zipmoe.engine.engine import EngineConfig, LLMEngine
+    from zipmoe.image_pipeline import ImageConfig
+    from zipmoe.sere_file import load_sere
+    from zipmoe.vision import VisionEncoder
+
+    out, log, seconds = smoke
+    assert seconds < 120
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json",
+            "tokenizer.json", "tokenizer_config.json", "train_log.json", "sere.safetensors"} <= names
+    saved = json.loads((out / "train_log.json").read_text())
+    assert saved["steps"] == 2 and saved["task_set"] == "v2" and torch.isfinite(torch.tensor(saved["final_loss"]))
+    assert 0.0 <= saved["val_f1"] <= 1.0 and set(saved["val_by_task"]) <= set(ts.TASKS)
+    assert saved["throughput"]["examples_per_second"] > 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vision_config"].get("_attn_implementation") != GROUPED_IMAGE_ATTENTION  # a training-time choice
+    assert ImageConfig.from_checkpoint(out).max_pixels == MAX_PIXELS >= 896 * 896
+    engine = LLMEngine(out, EngineConfig(num_kv_blocks=256, max_model_len=4096))
+    assert engine.text.num_experts == 32 and engine.text.top_k == 4
+    load_sere(out)  # calibrated for this checkpoint
+    # the serving vision tower takes a v2 image as drawn: one merged token per 32 x 32 pixels
+    image = ts.make_example(0).images[0]
+    (feats,) = VisionEncoder(out, torch.device("cpu"), torch.float32).features([pixels_of(image)])
+    assert feats.embeds.shape[0] == ts.merged_tokens(image.size)
+
+
+def test_dataset_matches_the_server_prompt(smoke):
+    out = smoke[0]
+    item = TaskSetV2Dataset(out, "validation", 1)[0]
+    ex = ts.make_example(ts.split_seed("validation", 0))
+    prompt = ChatPrompt(out)
+    image_token = json.loads((out / "config.json").read_text())["image_token_id"]
+    counts = iter([ts.merged_tokens(im.size) for im in ex.images])
+    expanded = [t for s in prompt.encode(ex.question, len(ex.images))
+                for t in ([s] * next(counts) if s == image_token else [s])]
+    ids = item["ids"].tolist()
+    assert ids[:len(expanded)] == expanded
+    answer = prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False).ids
+    assert ids[len(expanded):] == answer and [t for t in item["labels"].tolist() if t != -100] == answer
+    assert item["pixels"].dtype == torch.uint8
+    assert item["pixels"].shape[0] == 4 * sum(ts.merged_tokens(im.size) for im in ex.images)
+    assert item["readings"].shape == (sum(ts.merged_tokens(im.size) for im in ex.images), READING_SLOTS)
+
+
+def test_positions_match_the_models_own_rope_index(smoke):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    batch = _batch(smoke[0], "validation", 2)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke[0])
+    expected, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
+                                             None, attention_mask=batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["position_ids"][:, real], expected[:, real])
+
+
+def test_device_pixels_equal_the_servers_pixels():
+    image = ts.make_example(1).images[0]
+    reference = patchify(pixels_of(image), 16, 2, 2)
+    torch.testing.assert_close(device_pixels(uint8_patches(image, 16, 2), 2), reference, rtol=0, atol=1e-6)
+
+
+def test_grouped_vision_shortcuts_match_the_towers_per_image_loops(smoke):
+    """Images of several sizes (two of one size, apart): grouped SDPA and cached rotary positions
+    give the tower's own result."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke[0], dtype=torch.float32).eval()
+    visual = model.model.visual
+    images = [im.resize(size) for im, size in zip(ts.make_example(2).images * 2,
+                                                    [(448, 512), (512, 448), (448, 512), (576, 448)])]
+    pixels = torch.cat([patchify(pixels_of(im), 16, 2, 2) for im in images])
+    grids = torch.tensor([[1, im.height // 16, im.width // 16] for im in images])
+    with torch.no_grad():
+        reference = visual(pixels, grid_thw=grids).pooler_output
+        visual.config._attn_implementation = GROUPED_IMAGE_ATTENTION
+        grid_cached_vision_inputs(visual)
+        grouped = visual(pixels, grid_thw=grids).pooler_output
+        again = visual(pixels, grid_thw=grids).pooler_output  # from the position cache
+    torch.testing.assert_close(grouped, reference, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_token_readings_label_each_block_with_its_characters():
+    marks = (Mark(5, 5, "A"), Mark(20, 6, "B"), Mark(40, 10, "1"), Mark(12, 40, "."), Mark(1, 1, "Z"),
+             *(Mark(70 + k, 70, "9") for k in range(6)))
+    labels = token_readings(marks, (96, 96))  # a 3 x 3 grid of 32-px blocks
+    assert labels.shape == (9, READING_SLOTS)
+    assert labels[0].tolist() == [CHARSET.index(c) for c in "ZAB"] + [END]  # left to right
+    assert labels[1].tolist() == [CHARSET.index("1"), END, IGNORE, IGNORE]
+    assert labels[3].tolist() == [CHARSET.index("."), END, IGNORE, IGNORE]
+    assert labels[8].tolist() == [CHARSET.index("9")] * READING_SLOTS  # more than fit: the first ones, no END
+    assert labels[4].tolist() == [END, IGNORE, IGNORE, IGNORE]  # no text
+
+
+def test_reading_head_trains_the_tower(smoke):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from zipmoe.build.train_v2_vision import TokenReadingHead
+    batch = _batch(smoke[0], "train", 2)
+    readings, _ = batch.pop("readings"), batch.pop("task")
+    batch["pixel_values"] = device_pixels(batch["pixel_values"], 2)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke[0], dtype=torch.float32)
+    head = TokenReadingHead(model.model.visual, model.config.vision_config.out_hidden_size)
+    model(**batch)
+    assert head.merged.shape[0] == readings.shape[0]
+    loss = head.loss(readings)
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.visual.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+def test_v2_size_has_room_for_routing_within_60_mb(smoke):
+    """The size trained on the H200: >= 32 experts, top-k >= 4, bf16 weights <= 60 MB."""
+    from transformers import PreTrainedTokenizerFast, Qwen3VLMoeForConditionalGeneration
+    from zipmoe.build.tiny_checkpoint import model_config
+    from zipmoe.build.train_v2 import SIZES
+    text, vision = SIZES["v2"]
+    config = model_config(PreTrainedTokenizerFast.from_pretrained(smoke[0]), text=text, vision=vision)
+    with torch.device("meta"):
+        model = Qwen3VLMoeForConditionalGeneration(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert 2 * params <= 60e6
+    assert config.text_config.num_experts >= 32 and config.text_config.num_experts_per_tok >= 4
+    assert config.vision_config.patch_size * config.vision_config.spatial_merge_size == ts.PATCH * ts.MERGE
+
+
+def test_cli_smoke_flag_sets_the_smoke_settings_and_explicit_flags_win(monkeypatch):
+    import functools
+
+    from zipmoe.build import train_v2
+    seen = {}
+
+    @functools.wraps(train_v2.train)  # main() reads the defaults for its help from train's signature
+    def fake_train(**kw):
+        seen.update(kw)
+
+    monkeypatch.setattr(train_v2, "train", fake_train)
+    train_v2.main(["--out", "x", "--smoke", "--steps", "5", "--no-sere"])
+    assert seen == {**SMOKE, "out": "x", "steps": 5, "calibrate_sere": False}
+    seen.clear()
+    train_v2.main(["--out", "y"])
+    assert seen == {"out": "y"}  # everything else: train()'s defaults
