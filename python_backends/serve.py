@@ -114,13 +114,28 @@ def server_env(server: Path) -> dict[str, str]:
     return env
 
 
-# key: "checkpoint_path" <sep> value: { string_value: "<old>" }; pbtxt allows `:` to be
-# omitted before a message and `,`/`;` between fields.
 def _parameter_re(key: str) -> re.Pattern:
     """key: "KEY" <sep> value: { string_value: "<old>" }; pbtxt allows `:` to be omitted before a
     message and `,`/`;` between fields."""
     return re.compile(r'(key\s*:\s*"' + re.escape(key) +
                       r'"\s*[,;]?\s*value\s*:?\s*\{\s*string_value\s*:\s*)"((?:[^"\\]|\\.)*)"')
+
+
+def _set_instance_group(text: str, value: str) -> tuple[str, int]:
+    """config.pbtxt text with its `instance_group [ ... ]` list replaced by `value` (a pbtxt list, e.g.
+    `[{ count: 1 kind: KIND_GPU gpus: [0, 1] }]`: data parallel without editing the shipped configs)."""
+    value = value.strip()
+    if not (value.startswith("[") and value.endswith("]")):
+        raise ValueError(f"instance_group wants a pbtxt list such as [{{ count: 2 kind: KIND_CPU }}], got {value!r}")
+    match = re.search(r"\binstance_group\s*:?\s*\[", text)
+    if match is None:
+        return text, 0
+    depth = 0  # the list nests (gpus: [0, 1]): find the bracket that closes it
+    for end in range(match.end() - 1, len(text)):
+        depth += {"[": 1, "]": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    return text[:match.start()] + "instance_group " + value + text[end + 1:], 1
 
 
 def _quote(value: str) -> str:
@@ -133,7 +148,8 @@ def render_repository(src: Path, dst: Path, checkpoint: str | None,
 
     With `checkpoint` given, it replaces the configured path. Otherwise a relative configured path
     keeps meaning what it means for the original repository: relative to the folder holding it.
-    `overrides` {model: {parameter: value}} sets existing config.pbtxt parameters of a model.
+    `overrides` {model: {parameter: value}} sets existing config.pbtxt parameters of a model, and the
+    key `instance_group` its instance_group list.
     """
     src, dst = Path(src).resolve(), Path(dst)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
@@ -145,7 +161,10 @@ def render_repository(src: Path, dst: Path, checkpoint: str | None,
     for config in dst.glob("*/config.pbtxt"):
         text = _parameter_re("checkpoint_path").sub(absolute, config.read_text())
         for key, value in (overrides or {}).get(config.parent.name, {}).items():
-            text, found = _parameter_re(key).subn(lambda m, v=value: m.group(1) + _quote(v), text)
+            if key == "instance_group":
+                text, found = _set_instance_group(text, value)
+            else:
+                text, found = _parameter_re(key).subn(lambda m, v=value: m.group(1) + _quote(v), text)
             if not found:
                 raise ValueError(f"{config.parent.name}/config.pbtxt has no parameter {key!r} to set")
         config.write_text(text)

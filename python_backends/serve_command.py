@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     parser.add_argument("--log-file", type=Path, help="server log (default: this terminal)")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.PARAMETER=VALUE",
-                        help="override a config.pbtxt parameter, e.g. moe_decoder.routing_policy=sere (repeatable)")
+                        help="override a config.pbtxt parameter, e.g. moe_decoder.routing_policy=sere, or a "
+                             "model's instance_group, e.g. 'moe_decoder.instance_group=[{kind: KIND_GPU gpus: [0, 1]}]' "
+                             "(repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:

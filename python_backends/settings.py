@@ -110,7 +110,8 @@ def dtypes() -> dict:
 
 # Settings of both models that run on a device (moe_decoder's EngineConfig, vision_encoder's config).
 def device_setting():
-    return setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu")
+    return setting("auto", "cpu, cuda or cuda:N; auto = cuda when a GPU is visible, else cpu; on an instance of "
+                           "kind KIND_GPU, auto and cuda mean the instance's GPU")
 
 
 def dtype_setting():
@@ -122,12 +123,37 @@ def load_format_setting():
                            "config.json's shapes, made on the device (benchmarks)", choices=LOAD_FORMATS)
 
 
-def resolve_device_dtype(device: str, dtype: str):
-    """(torch.device, torch.dtype); auto = cuda + bfloat16 when a GPU is visible, else cpu + float32."""
+def resolve_device(device: str, gpu: int | None = None) -> str:
+    """A device setting -> the device a model runs on. auto = cuda when a GPU is visible, else cpu.
+    gpu: the GPU Triton gave this model instance (instance_group kind KIND_GPU: one instance per listed
+    GPU), which `auto` and a bare `cuda` then mean; so one config.pbtxt places an engine on every GPU.
+    cuda:N and cpu stay as the operator wrote them."""
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and gpu is not None:
+        device = f"cuda:{gpu}"
+    return device
+
+
+def resolve_device_dtype(device: str, dtype: str, gpu: int | None = None):
+    """(torch.device, torch.dtype) of `resolve_device`; dtype auto = bfloat16 on cuda, float32 on cpu."""
+    import torch
+
+    device = resolve_device(device, gpu)
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return torch.device(device), dtypes()[dtype]
+
+
+def make_current(device) -> None:
+    """Makes cuda:N the calling thread's current CUDA device (nothing for cpu or a bare cuda). The
+    current device is per host thread, and what follows it rather than the tensors' device (Triton
+    kernel launches, CUDA-graph capture, torch.cuda.current_stream() and synchronize() without an
+    argument) would otherwise go to GPU 0: every thread that runs a model on cuda:N calls this."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

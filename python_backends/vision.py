@@ -29,6 +29,7 @@ from transformers.vision_utils import (
 
 from .checkpoint import open_weights
 from .kernels.attention_importance import patch_importance, patch_importance_reference
+from .settings import make_current
 from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, weigh_images
 
 VISUAL_PREFIX = "model.visual."
@@ -77,6 +78,7 @@ class VisionEncoder:
         vcfg = config.vision_config
         vcfg._attn_implementation = "sdpa"
         self.patch, self.merge, self.temporal = vcfg.patch_size, vcfg.spatial_merge_size, vcfg.temporal_patch_size
+        make_current(device)  # cuda:N: the thread that loads the tower makes its GPU current
         store = open_weights(checkpoint, load_format, device)
         with torch.device("meta"):
             model = Qwen3VLMoeVisionModel(vcfg)
@@ -123,6 +125,7 @@ class VisionEncoder:
         """One vision forward for all images (normalised CHW, sides multiples of patch * merge)."""
         if not images:
             return []
+        make_current(self.device)  # the patch_importance kernel launches on the calling thread's current GPU
         grids = torch.tensor([[1, im.shape[1] // self.patch, im.shape[2] // self.patch] for im in images])
         # What transformers would derive from grid_thw on the device (a per-image loop and host syncs),
         # built once here from the host grids and handed over through its precompute kwargs.

@@ -1,9 +1,10 @@
 """serving.load (the load-adaptive keep ratio's policy and controller) on synthetic pressure traces, and
-serving.shared_level (the level across processes)."""
+serving.shared_level (the level across processes, one slot per moe_decoder instance)."""
 from __future__ import annotations
 
 import multiprocessing
 import os
+import struct
 
 import pytest
 
@@ -11,7 +12,7 @@ from zipmoe.serving.errors import BadInput
 from zipmoe.serving.load import (DOWN_AFTER_S, DOWN_PRESSURE, MAX_LEVEL, MAX_PRIORITY, STEPS, UP_AFTER_S,
                                  DegradationController, KeepChooser, Load, RecentTTFT, check_priority,
                                  degraded_keep, steps)
-from zipmoe.serving.shared_level import LevelReader, LevelWriter, segment_path
+from zipmoe.serving.shared_level import SIZE, SLOTS, LevelReader, LevelWriter, segment_path
 
 PERIOD = 0.1
 TARGET_MS = 1000
@@ -151,22 +152,90 @@ def test_the_level_crosses_processes(tmp_path):
             child.kill()
 
 
-def test_a_stale_segment_is_taken_over_in_place_and_a_reload_followed(tmp_path):
+def _decoder_instance(path, level, wrote, done):
+    """A moe_decoder instance's process: claims a slot, writes its level, closes when told (if ever)."""
+    writer = LevelWriter(path)
+    writer.write(level)
+    wrote.set()
+    done.wait(60)
+    writer.close()
+
+
+def _start_instance(ctx, path, level):
+    wrote, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_decoder_instance, args=(path, level, wrote, done))
+    child.start()
+    assert wrote.wait(60)
+    return child, done
+
+
+def test_each_decoder_instance_writes_its_own_level_and_readers_take_the_highest(tmp_path):
+    """Data parallel: one moe_decoder process per GPU, each with its own slot; the models that choose the
+    keep ratio follow the most loaded one, and an instance unloading takes only its own level away."""
     path = tmp_path / "level"
-    old = LevelWriter(path)
-    old.write(4)  # a killed server left level 4 behind
+    ctx = multiprocessing.get_context("spawn")
     reader = LevelReader(path)
-    assert reader.read() == 4
+    (a, done_a), (b, done_b) = _start_instance(ctx, path, 2), _start_instance(ctx, path, 5)
+    try:
+        assert reader.read() == 5
+        done_b.set()  # the loaded instance unloads: the other's level remains
+        b.join(30)
+        assert b.exitcode == 0 and path.exists() and reader.read() == 2
+        done_a.set()  # the last one out removes the segment
+        a.join(30)
+        assert a.exitcode == 0 and not path.exists() and reader.read() == 0
+    finally:
+        for child in (a, b):
+            if child.is_alive():
+                child.kill()
+
+
+def test_writers_in_one_process_get_their_own_slots_until_none_is_left(tmp_path):
+    path = tmp_path / "level"
+    first, second = LevelWriter(path), LevelWriter(path)
+    reader = LevelReader(path)
+    assert first.slot != second.slot
+    first.write(1)
+    second.write(3)
+    assert reader.read() == 3
+    second.write(0)  # the loaded GPU recovers: the other one's level holds
+    assert reader.read() == 1
+    more = [LevelWriter(path) for _ in range(SLOTS - 2)]
+    with pytest.raises(RuntimeError, match=f"all {SLOTS} level slots"):
+        LevelWriter(path)
+    for writer in [second, *more]:
+        writer.close()
+    assert path.exists() and reader.read() == 1
+    first.close()
+    assert not path.exists()
+
+
+def test_a_killed_instance_level_is_cleared_when_a_decoder_loads_again_in_place(tmp_path):
+    path = tmp_path / "level"
+    ctx = multiprocessing.get_context("spawn")
+    child, _ = _start_instance(ctx, path, 4)
+    child.kill()  # a killed server leaves its level behind, with no close()
+    child.join(30)
+    reader = LevelReader(path)
+    assert reader.read() == 4  # until a decoder loads again on the same path
     inode = os.stat(path).st_ino
-    LevelWriter(path)  # the next moe_decoder on the same path
-    assert os.stat(path).st_ino == inode and reader.read() == 0  # same file, reset: the reader sees it at once
-    old.close()  # the segment removed (moe_decoder unloaded): level 0 written first
+    writer = LevelWriter(path)  # the next moe_decoder on the same path takes it over
+    assert os.stat(path).st_ino == inode and reader.read() == 0  # same file: the reader sees it at once
+    writer.close()  # the segment removed (moe_decoder unloaded)
     assert reader.read() == 0
     again = LevelWriter(path)  # loaded again: a new file
     again.write(2)
     reader._check_at = 0.0
     assert reader.read() == 2
     again.close()
+
+
+def test_a_segment_of_the_single_level_layout_is_reset(tmp_path):
+    path = tmp_path / "level"
+    path.write_bytes(struct.pack("<Q", 3))  # 8 bytes: the one level of an older moe_decoder
+    writer = LevelWriter(path)
+    assert path.stat().st_size == SIZE and LevelReader(path).read() == 0
+    writer.close()
 
 
 def test_segments_are_named_by_repository():

@@ -271,3 +271,31 @@ def test_render_repository_sets_parameters(tmp_path):
         serve.render_repository(src, tmp_path / "d3", None, {"ghost": {"x": "1"}})
     with pytest.raises(ValueError, match="MODEL.PARAMETER=VALUE"):
         serve.parse_overrides(["max_tokens=8"])
+
+
+def _instance_groups(config_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    kinds = model_config_pb2.ModelInstanceGroup.Kind
+    return [(g.count, kinds.Name(g.kind), list(g.gpus)) for g in config.instance_group], config
+
+
+def test_render_repository_sets_instance_group(tmp_path):
+    """--set MODEL.instance_group=[...]: data parallel (or two CPU instances in the tests) without editing
+    the shipped configs; the list may nest (gpus: [0, 1]), and the model's parameters stay."""
+    gpus = "[{ count: 1 kind: KIND_GPU gpus: [0, 1] }]"
+    out = serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "gpu", None,
+                                  serve.parse_overrides([f"moe_decoder.instance_group={gpus}",
+                                                         "vision_encoder.instance_group=[{count: 2 kind: KIND_CPU}]"]))
+    groups, config = _instance_groups(out / "moe_decoder" / "config.pbtxt")
+    assert groups == [(1, "KIND_GPU", [0, 1])] and config.parameters["max_num_seqs"].string_value == "64"
+    assert _instance_groups(out / "vision_encoder" / "config.pbtxt")[0] == [(2, "KIND_CPU", [])]
+    assert _instance_groups(out / "image_decode" / "config.pbtxt")[0] == [(1, "KIND_CPU", [])]  # untouched
+    again = serve.render_repository(out, tmp_path / "cpu", None,  # a nested list replaced whole
+                                    {"moe_decoder": {"instance_group": "[{ count: 2 kind: KIND_CPU }]"}})
+    assert _instance_groups(again / "moe_decoder" / "config.pbtxt")[0] == [(2, "KIND_CPU", [])]
+    with pytest.raises(ValueError, match="instance_group wants a pbtxt list"):
+        serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "bad", None,
+                                {"moe_decoder": {"instance_group": "count: 2"}})

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TEXT_PREFIX, TextConfig, open_weights
-from ..settings import (check_fields, device_setting, dtype_setting, load_format_setting, resolve_device_dtype,
-                        setting)
+from ..settings import (check_fields, device_setting, dtype_setting, load_format_setting, make_current,
+                        resolve_device_dtype, setting)
 from . import memory
 from .kv_cache import BlockManager, KVCache
 from .memory import CPU_KV_BLOCKS, OutOfMemory
@@ -71,6 +71,7 @@ class LLMEngine:
         self.text = text or TextConfig.from_dir(checkpoint)
         config.validate(self.text)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        make_current(self.device)  # cuda:N: loading, the memory plan and CUDA-graph capture run on this thread
         store = store or open_weights(checkpoint, config.load_format, self.device)
         policy = policy or make_policy(config.routing_policy, self.text.top_k, checkpoint, self.device,
                                        sere_primary_k=config.sere_primary_k, sere_threshold=config.sere_threshold,

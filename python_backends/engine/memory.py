@@ -8,6 +8,10 @@ The KV cache then gets what is left of `gpu_memory_utilization` x the GPU's memo
 than is free right now (other models' processes — vision_encoder, image_decode, Triton's CUDA pool —
 share the GPU and keep the rest), less a fixed reserve for the CUDA graphs, the CUDA context and
 the allocator's slack.
+
+Every figure is of the model's own GPU (`model.device`; with data parallel, the one Triton gave the
+instance): its total, what this process has allocated there, and what is free there. Other GPUs,
+with their own engines, never count; a bare `cuda` is taken as the thread's current device.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class MemoryPlan:
     activations: int  # peak of the worst-case step above the weights
     free: int  # free on the GPU after the worst-case step (other processes' use excluded)
     utilization: float
+    device: str = "cuda"  # which GPU these figures are of, for the log line
 
     def kv_bytes(self) -> int:
         """What the cache may take: our share of the GPU and what is free, each less the step's
@@ -50,7 +55,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gib = 1 << 30
-        return (f"GPU {self.total / gib:.1f} GiB x {self.utilization}: weights {self.weights / gib:.1f} GiB, "
+        return (f"{self.device} {self.total / gib:.1f} GiB x {self.utilization}: weights {self.weights / gib:.1f} GiB, "
                 f"worst-case step {self.activations / gib:.2f} GiB, reserve {RESERVE_BYTES / gib:.1f} GiB, "
                 f"free {self.free / gib:.1f} GiB -> KV cache {max(self.kv_bytes(), 0) / gib:.1f} GiB")
 
@@ -82,11 +87,18 @@ def worst_case_inputs(model, text: TextConfig, tokens: int, context: int, logit_
     return torch.zeros(tokens, dtype=torch.long, device=device), step, kv, everything[-min(logit_rows, tokens):]
 
 
+def gpu_of(model) -> torch.device:
+    """The model's GPU with its number (a bare cuda: the current device), so that no query below
+    falls back to whichever device is current."""
+    device = model.device
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def worst_case_step(model, *inputs) -> int:
     """Peak bytes allocated during the worst-case step, above what was allocated before it (its
     throw-away cache included in the latter)."""
     ids, step, kv, rows = worst_case_inputs(model, *inputs)
-    device = model.device
+    device = gpu_of(model)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -97,7 +109,7 @@ def worst_case_step(model, *inputs) -> int:
 
 def plan(model, text: TextConfig, utilization: float, tokens: int, context: int, logit_rows: int, block_size: int,
          deepstack_layers: int) -> MemoryPlan:
-    device = model.device
+    device = gpu_of(model)
     weights = torch.cuda.memory_allocated(device)
     try:
         activations = worst_case_step(model, text, tokens, context, logit_rows, block_size, deepstack_layers)
@@ -107,4 +119,4 @@ def plan(model, text: TextConfig, utilization: float, tokens: int, context: int,
                           "or max_model_len") from None
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryPlan(total, weights, activations, free, utilization)
+    return MemoryPlan(total, weights, activations, free, utilization, str(device))

@@ -20,7 +20,8 @@ from PIL import Image
 
 from ..image_pipeline import INPUT_NAME, ImageConfig, header_pipeline, image_pipeline
 from ..serving.errors import BadInput
-from .io import error_response, load_settings, resolve_checkpoint, strings
+from ..settings import resolve_device
+from .io import error_response, instance_gpu, load_settings, resolve_checkpoint, strings
 
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
 EOI_WINDOW = 4096  # a JPEG's end-of-image marker must be within this many bytes of its end
@@ -95,12 +96,12 @@ class TritonPythonModel:
         checkpoint = resolve_checkpoint(args, location.checkpoint_path)
         cfg = ImageConfig.from_checkpoint(checkpoint)
         self.max_images, self.max_image_pixels = settings.max_images, settings.max_image_pixels
-        if torch.cuda.is_available():  # mixed decoding (nvJPEG / hardware decoder), GPU resize
-            gpu = args.get("model_instance_kind") == "GPU"
-            device_id = int(args["model_instance_device_id"]) if gpu else torch.cuda.current_device()
-            self.device = torch.device("cuda", device_id)
-        else:  # DALI's CPU-only mode: device_id=None, CPU operators only
-            device_id, self.device = None, torch.device("cpu")
+        # Mixed decoding (nvJPEG / hardware decoder) and GPU resize on a GPU: under KIND_GPU the instance's
+        # (one decoder per listed GPU). device_id None (no GPU): DALI's CPU-only mode, CPU operators only.
+        self.device = torch.device(resolve_device("auto", instance_gpu(args)))
+        if self.device == torch.device("cuda"):  # KIND_CPU on a GPU host: the current GPU, by number for DALI
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        device_id = self.device.index
         threads = min(8, os.cpu_count() or 1)
         self.header = _Pipe(lambda: header_pipeline(batch_size=self.max_images, num_threads=threads),
                             "not a supported image, or its header is corrupt")

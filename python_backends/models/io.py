@@ -25,6 +25,25 @@ def load_settings(args: dict, model: str) -> tuple:
     return parse_parameters(params, *MODEL_SETTINGS[model], model=args.get("model_name", model))
 
 
+def instance_gpu(args: dict) -> int | None:
+    """The GPU Triton gave this model instance, or None. With `instance_group [{ kind: KIND_GPU, gpus:
+    [0, 1] }]` Triton starts one instance (one stub process) per listed GPU and per `count`, and passes
+    each its GPU here; KIND_CPU instances (the shipped configs) get none and keep `device` as written."""
+    if args.get("model_instance_kind") == "GPU":
+        return int(args["model_instance_device_id"])
+    return None
+
+
+def instance_labels(args: dict) -> dict[str, str]:
+    """{"instance": this instance's name, e.g. moe_decoder_0_1} when the model runs several instances, else {}.
+    Instances of one model that create a metric of the same labels share it: counters and histograms
+    would add up, but gauges (KV blocks, queue, level) overwrite one another and no figure per GPU
+    would be left, so with several instances every metric carries the instance (sum() adds them up)."""
+    groups = json.loads(args["model_config"]).get("instance_group", [])
+    instances = sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups)
+    return {"instance": args["model_instance_name"]} if instances > 1 else {}
+
+
 def resolve_checkpoint(args: dict, raw: str) -> Path:
     """`checkpoint_path` from config.pbtxt; a relative path is relative to the repository's parent folder."""
     if not raw:
@@ -94,12 +113,13 @@ class SyncedMetric:
 
 
 class Metrics:
-    """Custom metrics of one model, labelled with its name. Keeps every MetricFamily alive: a Metric
-    is only valid while its family lives."""
+    """Custom metrics of one model, labelled with its name (and its instance, with several). Keeps every
+    MetricFamily alive: a Metric is only valid while its family lives."""
 
-    def __init__(self, pb_utils, model: str):
+    def __init__(self, pb_utils, model: str, labels: dict[str, str] | None = None):
+        """labels: `instance_labels(args)`, added to every metric's."""
         self._pb = pb_utils
-        self._model = model
+        self._labels = {"model": model, **(labels or {})}
         self._families = []
 
     def _family(self, kind, name: str, description: str):
@@ -109,7 +129,7 @@ class Metrics:
 
     def _metric(self, kind, name: str, description: str) -> SyncedMetric:
         family = self._family(kind, name, description)
-        return SyncedMetric(family.Metric(labels={"model": self._model}), kind == self._pb.MetricFamily.COUNTER)
+        return SyncedMetric(family.Metric(labels=self._labels), kind == self._pb.MetricFamily.COUNTER)
 
     def counter(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.COUNTER, name, description)
@@ -118,7 +138,7 @@ class Metrics:
         """One counter family with a metric per value of `label` (besides `model`), each exported from
         the start at 0: value -> SyncedMetric."""
         family = self._family(self._pb.MetricFamily.COUNTER, name, description)
-        return {v: SyncedMetric(family.Metric(labels={"model": self._model, label: str(v)}), True) for v in values}
+        return {v: SyncedMetric(family.Metric(labels={**self._labels, label: str(v)}), True) for v in values}
 
     def gauge(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.GAUGE, name, description)
@@ -127,7 +147,7 @@ class Metrics:
         """A histogram (Triton 2.51's Python backend has them); observe(value) on the returned metric
         is one round trip to the server."""
         family = self._family(self._pb.MetricFamily.HISTOGRAM, name, description)
-        return family.Metric(labels={"model": self._model}, buckets=list(buckets))
+        return family.Metric(labels=self._labels, buckets=list(buckets))
 
 
 def as_triton(pb_utils, name: str, value):

@@ -32,7 +32,8 @@ from ..serving.pipeline import GAUGES, METRICS, QAPipeline, QARequest, split_fea
 from ..serving.shared_level import LevelReader, segment_path
 from ..settings import parse_parameters, settings_of
 from ..visionzip import VisionZipConfig
-from .io import Metrics, as_torch, as_triton, error_response, get_input, load_settings, scalar, strings
+from .io import (Metrics, as_torch, as_triton, error_response, get_input, instance_labels, load_settings, scalar,
+                 strings)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENCODER_OUTPUTS = ["visual_embeds", "deepstack_embeds", "image_grids", "visual_tokens_kept", "token_importance",
@@ -148,7 +149,7 @@ def vision_encoder_visionzip(args: dict) -> VisionZipConfig:
 class TritonPythonModel:
     def initialize(self, args):
         (config,) = load_settings(args, "mm_qa_bls")
-        self._metric_families = families = Metrics(pb_utils, "mm_qa_bls")
+        self._metric_families = families = Metrics(pb_utils, "mm_qa_bls", instance_labels(args))
         self.metrics = {name: (families.gauge if name in GAUGES else families.counter)(*metric)
                         for name, metric in METRICS.items()}
         self.degraded = families.labelled_counters(*DEGRADED, "priority", DEGRADABLE)

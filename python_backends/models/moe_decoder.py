@@ -6,6 +6,8 @@ through the sink. Errors in a request become a TritonError for that request alon
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
@@ -18,7 +20,9 @@ from ..serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
 from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
 from ..serving.shared_level import LevelWriter, segment_path
-from .io import Metrics, as_torch, error_response, get_input, load_settings, read_options, resolve_checkpoint, scalar
+from ..settings import resolve_device
+from .io import (Metrics, as_torch, error_response, get_input, instance_gpu, instance_labels, load_settings,
+                 read_options, resolve_checkpoint, scalar)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -74,11 +78,13 @@ class TritonPythonModel:
     def initialize(self, args):
         location, service_config, degradation, engine_config = load_settings(args, "moe_decoder")
         checkpoint = resolve_checkpoint(args, location.checkpoint_path)
+        # On a KIND_GPU instance, device auto is the GPU Triton gave it: one engine per listed GPU.
+        engine_config = replace(engine_config, device=resolve_device(engine_config.device, instance_gpu(args)))
         engine = LLMEngine(checkpoint, engine_config)
         pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} ({engine_config.load_format}) on {engine.device} "
                                  f"({engine.dtype}), KV cache of {engine.blocks.num_blocks} blocks: "
                                  f"{engine.kv_capacity_tokens} tokens")
-        self._metric_families = families = Metrics(pb_utils, "moe_decoder")
+        self._metric_families = families = Metrics(pb_utils, "moe_decoder", instance_labels(args))
         self.metrics = {**{k: families.counter(*v) for k, v in COUNTERS.items()},
                         **{k: families.gauge(*v) for k, v in GAUGES.items()}}
         self.histograms = {k: families.histogram(*v) for k, v in HISTOGRAMS.items()}

@@ -17,7 +17,8 @@ from ..serving.shared_level import LevelReader, segment_path
 from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
 from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
-from .io import Metrics, as_torch, as_triton, error_response, load_settings, resolve_checkpoint, scalar
+from .io import (Metrics, as_torch, as_triton, error_response, instance_gpu, instance_labels, load_settings,
+                 resolve_checkpoint, scalar)
 
 
 def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
@@ -48,12 +49,13 @@ METRICS = {
 class TritonPythonModel:
     def initialize(self, args):
         location, settings, self.visionzip = load_settings(args, "vision_encoder")
-        device, dtype = resolve_device_dtype(settings.device, settings.dtype)
+        # On a KIND_GPU instance, device auto is the GPU Triton gave it: one tower per listed GPU.
+        device, dtype = resolve_device_dtype(settings.device, settings.dtype, instance_gpu(args))
         self.encoder = VisionEncoder(resolve_checkpoint(args, location.checkpoint_path), device, dtype,
                                      settings.importance_layer, settings.budget_weighting,
                                      settings.load_format)
         self.multiple = self.encoder.patch * self.encoder.merge
-        self._metric_families = families = Metrics(pb_utils, "vision_encoder")
+        self._metric_families = families = Metrics(pb_utils, "vision_encoder", instance_labels(args))
         self.metrics = {name: families.counter(*metric) for name, metric in METRICS.items()}
         self.counts = dict.fromkeys(METRICS, 0)
         # Each request's keep ratio follows moe_decoder's degradation level (serving/load.py).

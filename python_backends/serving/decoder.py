@@ -28,7 +28,7 @@ from ..detokenize import TextStream, TokenBytes
 from ..engine.engine import LLMEngine
 from ..engine.multimodal import VisualInputs
 from ..engine.sequence import SamplingParams, Sequence, Status
-from ..settings import setting
+from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
 from .errors import SHUTTING_DOWN, internal_error, server_busy
 from .load import DegradationConfig, DegradationController, Load, RecentTTFT
@@ -162,6 +162,7 @@ class DecoderService:
     # --- engine thread -------------------------------------------------------------------------
 
     def _loop(self):
+        make_current(self.engine.device)  # a new thread starts on GPU 0; the engine's kernels run on its own
         while not self._stop.is_set():
             try:
                 self._iterate()

@@ -1,7 +1,8 @@
 """Load-adaptive keep ratio: how loaded moe_decoder is, and how much VisionZip keeps because of it.
 
 moe_decoder measures the load and holds the *degradation level* (0 .. MAX_LEVEL); vision_encoder
-(mm_qa) and mm_qa_bls, which choose each request's keep ratio, read it through `shared_level`.
+(mm_qa) and mm_qa_bls, which choose each request's keep ratio, read it through `shared_level` (with
+one moe_decoder instance per GPU, each has its own level, and they follow the highest).
 
 **Pressure**, sampled once per metrics period by `DecoderService`, is the largest of
 - requests waiting for admission / `max_num_seqs` (more than a full batch waits),
