@@ -2,6 +2,7 @@
 
     zipmoe eval [--checkpoint checkpoints/notes] [--split test] [--n 200] [--concurrency 16] [--max-tokens 8]
                 [--settings full|quick|keep] [--set MODEL.PARAMETER=VALUE ...] [--out docs/results/quality]
+                [--taskset notes|v2]
     python -m zipmoe.clients.eval_quality ...      (the same arguments)
 
 Two sweeps through the real server, greedy decoding:
@@ -16,6 +17,9 @@ One tritonserver per configuration; all examples of a setting go with --concurre
 flight, so decode batches are real. A request that fails counts as wrong and is reported. Each
 row also gives what decode routing did, from the server's counters: distinct experts per MoE
 layer-step as routed and as computed, and slots moved per generated token.
+
+`--taskset v2` asks task set v2 instead (clients/eval_taskset_v2.py: exact match and token F1
+per row, --max-tokens 48 by default).
 
 Writes OUT.json (after every server, so a long run keeps what it measured), OUT.png when matplotlib
 is importable (the `bench` extra), and prints a table.
@@ -314,9 +318,9 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> bool:
-    """Bar charts of accuracy: (a) keep ratios at topk, one bar per budget weighting, (b) routings at
-    keep 1.0. False without matplotlib."""
+def plot(result: dict, path: Path, metric: str = "accuracy") -> bool:
+    """Bar charts of the rows' `metric` (accuracy, or v2's f1): (a) keep ratios at topk, one bar per
+    budget weighting, (b) routings at keep 1.0. False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -334,7 +338,7 @@ def plot(result: dict, path: Path) -> bool:
     ax = axes[0][0]
     width = 0.8 / len(budgets)
     for j, budget in enumerate(budgets):
-        acc = {r["keep_ratio"]: r["accuracy"] for r in topk if r["budget"] == budget}
+        acc = {r["keep_ratio"]: r[metric] for r in topk if r["budget"] == budget}
         xs = [i for i, k in enumerate(keeps) if k in acc]
         bars = ax.bar([x + (j - (len(budgets) - 1) / 2) * width for x in xs], [acc[keeps[x]] for x in xs], width,
                       label=f"budget by {budget}")
@@ -345,7 +349,7 @@ def plot(result: dict, path: Path) -> bool:
     if len(budgets) > 1:
         ax.legend(fontsize=7, loc="lower left")
     ax = axes[0][1]
-    bars = ax.bar(range(len(routing_rows)), [r["accuracy"] for r in routing_rows],
+    bars = ax.bar(range(len(routing_rows)), [r[metric] for r in routing_rows],
                   color=["tab:blue" if r["routing"] == "topk" else "tab:orange" for r in routing_rows])
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks(range(len(routing_rows)), [row_label(r) for r in routing_rows], rotation=45, ha="right", fontsize=8)
@@ -356,7 +360,7 @@ def plot(result: dict, path: Path) -> bool:
         ax.grid(axis="y", alpha=0.3)
         if not rows:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
-    axes[0][0].set_ylabel("exact-match accuracy")
+    axes[0][0].set_ylabel({"accuracy": "exact-match accuracy", "f1": "token F1"}.get(metric, metric))
     fig.suptitle(f"{result['checkpoint']}: {result['split']} split, n={result['n']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -410,21 +414,25 @@ def display_path(path: Path) -> str:
 
 
 def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int = 200, concurrency: int = 16,
-             max_tokens: int = 8, settings: str | list[tuple[Setting, tuple[float, ...]]] = "full",
+             max_tokens: int | None = None, settings: str | list[tuple[Setting, tuple[float, ...]]] = "full",
              out: str | Path | None = DEFAULT_OUT,
              log_dir: str | Path | None = None, items: list[Item] | None = None,
              repository: str | Path = serve.DEFAULT_REPOSITORY, ready_timeout: float = 1800,
-             overrides: dict[str, dict[str, str]] | None = None) -> dict:
+             overrides: dict[str, dict[str, str]] | None = None, taskset: str = "notes") -> dict:
     """Runs the plan (one server per setting), writes OUT.json / OUT.png when `out` is given, prints
     a table; returns the result dict. `settings`: full | quick | keep, or the plan itself, [(setting,
     keep ratios)]; `items` replaces the split's examples; `overrides` {model: {parameter: value}}
-    apply to every server."""
+    apply to every server; `taskset` notes | v2 (max_tokens None: the task set's default)."""
+    from zipmoe.clients.eval_taskset_v2 import taskset_named
+
+    ts = taskset_named(taskset)
+    max_tokens = ts.max_tokens if max_tokens is None else max_tokens
     steps = plan(settings) if isinstance(settings, str) else list(settings)
     overrides = overrides or {}
     per_server = [server_overrides(setting, overrides) for setting, _ in steps]  # clashes fail before any server
     checkpoint = resolve_checkpoint(checkpoint)
     if items is None:
-        items = load_items(split, n)
+        items = ts.load_items(split, n)
     if any(r.policy == "sere" for r, _ in steps):
         ensure_sere(checkpoint)
     log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="zipmoe-eval-"))
@@ -449,7 +457,7 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
                     before = scrape_metrics(server.url_metrics)
                     answers, seconds = run_setting(server.url_grpc, items, keep, concurrency, max_tokens)
                     effect = routing_effect(before, scrape_metrics(server.url_metrics))
-                    row = make_row(setting, keep, items, answers, seconds, effect)
+                    row = ts.make_row(setting, keep, items, answers, seconds, effect)
                     tally.add(keep, items, answers, setting.budget)
                     rows.append(row)
                     print(f"keep {keep_key(keep)} {row_label(row)}: accuracy {row['accuracy']:.3f} ({seconds:.1f} s)"
@@ -458,16 +466,16 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
         except BaseException:
             print(f"stopped at {row_label(setting.fields)}; server log: {log}", file=sys.stderr, flush=True)
             raise
-        result = result_json(split, len(items), display_path(checkpoint), rows, tally, overrides)
+        result = ts.result_json(split, len(items), display_path(checkpoint), rows, tally, overrides)
         if json_path is not None:
             _write_json(result, json_path)  # what was measured survives a later failure
 
-    result = result_json(split, len(items), display_path(checkpoint), rows, tally, overrides)
-    print(table(result))
+    result = ts.result_json(split, len(items), display_path(checkpoint), rows, tally, overrides)
+    print(ts.table(result))
     if out is not None:
         print(f"wrote {json_path}")
         png = out.with_name(out.name + ".png")
-        if plot(result, png):
+        if plot(result, png, ts.metric):
             print(f"wrote {png}")
         else:
             print("matplotlib not importable (pip install zipmoe[bench]): no plot")
@@ -476,10 +484,12 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: checkpoints/notes, trained)")
-    p.add_argument("--split", default="test", help="notes_data split (default: test)")
+    p.add_argument("--split", default="test", help="notes_data / taskset_v2 split (default: test)")
     p.add_argument("--n", type=int, default=200, help="examples (default: 200)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per answer (default: 8)")
+    p.add_argument("--taskset", choices=("notes", "v2"), default="notes",
+                   help="notes: notes_data, exact match; v2: build/taskset_v2.py, exact match and token F1")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens generated per answer (default: 8; v2: 48)")
     sizes = {s: f"{sum(len(k) for _, k in plan(s))} settings on {len(plan(s))} servers" for s in PLANS}
     p.add_argument("--settings", choices=PLANS, default="full",
                    help=f"full: both sweeps ({sizes['full']}); quick: a smoke test ({sizes['quick']}); "
@@ -492,8 +502,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_eval(args.checkpoint, args.split, args.n, args.concurrency, args.max_tokens, args.settings, args.out,
-             args.log_dir, overrides=serve.parse_overrides(args.overrides))
+    from zipmoe.clients.eval_taskset_v2 import taskset_named
+
+    v2 = {"taskset": args.taskset} if args.taskset != "notes" else {}  # notes: the call as before
+    max_tokens = taskset_named(args.taskset).max_tokens if args.max_tokens is None else args.max_tokens
+    run_eval(args.checkpoint, args.split, args.n, args.concurrency, max_tokens, args.settings, args.out,
+             args.log_dir, overrides=serve.parse_overrides(args.overrides), **v2)
     return 0
 
 

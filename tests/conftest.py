@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny checkpoint, a real tritonserver on loopback, and the gpu marker."""
+"""Shared fixtures: the tiny checkpoint, a v2 smoke checkpoint, a real tritonserver on loopback, and the gpu marker."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,6 +28,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> Path:
     return build_tiny_checkpoint(REPO / "checkpoints" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def v2_smoke(tmp_path_factory):
+    """build/train_v2.py's --smoke run (about 10 s on two cores: tokenizer, 2 steps of 2 examples,
+    validation, saving, SERE calibration): (checkpoint directory, training log, seconds)."""
+    import time
+
+    from zipmoe.build.train_v2 import SMOKE, train
+
+    out = tmp_path_factory.mktemp("v2smoke")
+    start = time.monotonic()
+    log = train(out, **SMOKE)
+    return out, log, time.monotonic() - start
 
 
 @pytest.fixture(scope="session")

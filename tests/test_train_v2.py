@@ -4,13 +4,12 @@ tower's own per-image loops."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 
 from zipmoe.build import taskset_v2 as ts
-from zipmoe.build.train_v2 import MAX_PIXELS, SMOKE, TaskSetV2Dataset, collate, train
+from zipmoe.build.train_v2 import MAX_PIXELS, SMOKE, TaskSetV2Dataset, collate
 from zipmoe.build.train_v2_vision import (END, GROUPED_IMAGE_ATTENTION, IGNORE, READING_SLOTS, device_pixels,
                                           grid_cached_vision_inputs, token_readings, uint8_patches)
 from zipmoe.build.taskset_v2_docs import CHARSET, Mark
@@ -19,13 +18,9 @@ from zipmoe.vision import patchify, pixels_of
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """The --smoke run (about 10 s on two cores: tokenizer, 2 steps of 2 examples, validation,
-    saving, SERE calibration)."""
-    out = tmp_path_factory.mktemp("v2smoke")
-    start = time.monotonic()
-    log = train(out, **SMOKE)
-    return out, log, time.monotonic() - start
+def smoke(v2_smoke):
+    """conftest's v2_smoke: (checkpoint, training log, seconds) of the --smoke run."""
+    return v2_smoke
 
 
 def _batch(checkpoint, split: str, n: int) -> dict:
