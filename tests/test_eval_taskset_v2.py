@@ -3,7 +3,6 @@ server on the v2 smoke checkpoint (conftest's v2_smoke)."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -87,14 +86,11 @@ def test_run_eval_v2_on_the_smoke_checkpoint(v2_smoke, tmp_path):
     """2 test examples of v2 (5 images) at keep 1.0 and 0.5 through one topk server on the smoke
     checkpoint (about 25 s on two idle cores, plus the shared smoke training)."""
     checkpoint = v2_smoke[0]
-    start = time.monotonic()
     result = eq.run_eval(checkpoint, "test", 2, concurrency=2, max_tokens=4, settings=[(eq.TOPK, (1.0, 0.5))],
                          out=tmp_path / "quality_v2", log_dir=tmp_path / "logs", taskset="v2",
                          ready_timeout=300)
-    seconds = time.monotonic() - start
     check_v2_schema(result, 2, [1.0, 0.5])
     assert json.loads((tmp_path / "quality_v2.json").read_text()) == result
     by_keep = result["tokens_kept_by_keep"]
     assert by_keep["0.5"]["dense"] < by_keep["1.0"]["dense"]
     assert result["tokens_kept"] == by_keep["0.5"]  # no 0.6 run: the smallest keep ratio
-    assert seconds < 120
