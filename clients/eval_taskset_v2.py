@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from zipmoe.build import taskset_v2
 from zipmoe.clients import eval_quality as eq
+from zipmoe.clients import eval_quality_report as report
 from zipmoe.clients.quality_metrics import best_score, mean_scores
 
 MAX_TOKENS = 48  # v2 answers are up to 31 tokens of the trained tokenizer, plus <|im_end|>
@@ -64,10 +65,10 @@ def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: eq
 
 def table(result: dict) -> str:
     """eval_quality's table (its accuracy column is exact match) and each row's F1."""
-    lines = [eq.table(result), "token F1 (SQuAD-normalised; accuracy above is exact match):"]
+    lines = [report.table(result), "token F1 (SQuAD-normalised; accuracy above is exact match):"]
     for r in result["rows"]:
         tasks = " ".join(f"{t}={v:.2f}" for t, v in r["f1_by_task"].items())
-        lines.append(f"  keep {r['keep_ratio']:.2f} {eq.row_label(r)}: F1 {r['f1']:.3f}, exact {r['exact']:.3f}"
+        lines.append(f"  keep {r['keep_ratio']:.2f} {report.row_label(r)}: F1 {r['f1']:.3f}, exact {r['exact']:.3f}"
                      f"  {tasks}")
     return "\n".join(lines)
 
@@ -84,7 +85,7 @@ class TaskSet:
     max_tokens: int = 8
 
 
-TASKSETS = {"notes": TaskSet(eq.load_items, eq.make_row, eq.result_json, eq.table),
+TASKSETS = {"notes": TaskSet(eq.load_items, eq.make_row, eq.result_json, report.table),
             "v2": TaskSet(load_items, make_row, result_json, table, metric="f1", max_tokens=MAX_TOKENS)}
 
 

@@ -14,9 +14,9 @@ import subprocess
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 from zipmoe.clients.triton_client import scrape_metrics
+from zipmoe.supervisor import stub_pids
 
 
 def wait_idle(metrics_url: str, timeout: float = 300) -> dict[str, float]:
@@ -62,38 +62,6 @@ def models_not_ready(http_url: str) -> list[str]:
     except Exception as e:  # noqa: BLE001
         return [f"repository index: {type(e).__name__}: {e}"]
     return [f"{m['name']}: {m.get('state')} {m.get('reason', '')}".strip() for m in models if m.get("state") != "READY"]
-
-
-def group_pids(pid: int) -> list[int]:
-    """The processes of `pid`'s process group (tritonserver runs in its own session; the Python backend's
-    stubs are its children, in the same group)."""
-    pgid = os.getpgid(pid)
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
-            pids.append(int(entry))
-    return sorted(pids)
-
-
-def _process_name(pid: int) -> str:
-    """tritonserver, or the model a Python stub serves (its arguments name the model's folder)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return str(pid)
-    if args and "triton_python_backend_stub" in args[0]:
-        for a in args[1:]:
-            if a.endswith("model.py"):
-                return Path(a).parent.parent.name
-    return Path(args[0]).name if args else str(pid)
 
 
 def _status_kb(pid: int, key: str) -> int:
@@ -154,8 +122,9 @@ def memory_snapshot(server_pid: int | None, gpu: bool = True) -> dict | None:
     lists none of them (another PID namespace)."""
     if server_pid is None:
         return None
-    pids = group_pids(server_pid)
-    names = {pid: _process_name(pid) for pid in pids}
+    # tritonserver runs in a session of its own; its Python stubs are in its process group.
+    names = {server_pid: "tritonserver", **stub_pids(os.getpgid(server_pid))}
+    pids = sorted(names)
     rss = {pid: _status_kb(pid, "VmRSS") / 1024 for pid in pids}
     pss = {pid: _pss_kb(pid) / 1024 for pid in pids}
     g = gpu_memory(pids) if gpu else None

@@ -8,6 +8,7 @@ import pytest
 
 from zipmoe import cli, serve
 from zipmoe.clients import eval_quality as eq
+from zipmoe.clients import eval_quality_report as report
 from zipmoe.clients.eval_quality import Answer, Item
 from zipmoe.clients.triton_client import scrape_metrics
 
@@ -86,7 +87,7 @@ def test_set_overrides_join_every_server_but_never_what_is_swept():
     with pytest.raises(ValueError, match="moe_decoder.routing_policy"):
         eq.server_overrides(eq.TOPK, {"moe_decoder": {"routing_policy": "sere"}})
     result = eq.result_json("test", 1, "ckpt", [], eq.TokenTally(), {"vision_encoder": {"min_tokens_per_image": "8"}})
-    assert "n=1, with vision_encoder.min_tokens_per_image=8" in eq.table(result)
+    assert "n=1, with vision_encoder.min_tokens_per_image=8" in report.table(result)
 
 
 def test_plan_overrides_name_real_parameters(tmp_path):
@@ -153,9 +154,9 @@ def test_tokens_kept_per_budget_weighting():
     assert tally.by_keep("size") == {"0.5": {"dense": 8.0, "plain": 8.0}}
     assert tally.by_budget() == {"size": {"0.5": {"dense": 8.0, "plain": 8.0}}}
     row = eq.make_row(eq.TOPK_BY_SIZE, 0.5, ITEMS[:1], [Answer("x", False, [8, 8])], 1.0)
-    assert row["budget"] == "size" and eq.row_label(row) == "topk, budget by size"
+    assert row["budget"] == "size" and report.row_label(row) == "topk, budget by size"
     result = eq.result_json("test", 1, "ckpt", [row], tally)
-    assert "budget by size: keep 0.5: dense 8.0, plain 8.0" in eq.table(result)
+    assert "budget by size: keep 0.5: dense 8.0, plain 8.0" in report.table(result)
 
 
 def test_table_and_plot(tmp_path):
@@ -174,12 +175,12 @@ def test_table_and_plot(tmp_path):
     result = eq.result_json("test", 4, "checkpoints/tiny", rows, tally)
     assert result["tokens_kept"] == {"dense": 6.0, "plain": 2.0}
     assert result["tokens_kept_by_budget"] == {"size": {"0.6": {"dense": 5.0, "plain": 3.0}}}
-    text = eq.table(result)
+    text = report.table(result)
     assert "sere" in text and "oea" in text and "keep 1.0 top2: 4 requests failed, first: ServerError: boom" in text
     assert "keep 0.6: dense 6.0, plain 2.0" in text
-    assert eq.row_label(rows[4]) == "sere K'=1 ρ=0 -P" and eq.row_label(rows[5]) == "oea k0=2"
+    assert report.row_label(rows[4]) == "sere K'=1 ρ=0 -P" and report.row_label(rows[5]) == "oea k0=2"
     if HAS_MPL:
-        assert eq.plot(result, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
+        assert report.plot(result, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
 
 
 def test_ask_reports_a_failed_request():
@@ -224,7 +225,7 @@ def test_settings_against_server(zipmoe_server, tmp_path):
     assert [r["keep_ratio"] for r in rows if r["routing"] == "topk"] == [1.0, 0.5]  # sweep (a)
     assert [r["routing"] for r in rows if r["keep_ratio"] == 1.0] == ["topk"]  # sweep (b)
     if HAS_MPL:
-        assert eq.plot(result, tmp_path / "q.png")
+        assert report.plot(result, tmp_path / "q.png")
 
 
 @pytest.mark.integration

@@ -12,7 +12,7 @@ import pytest
 
 from zipmoe import serve
 from zipmoe.clients import soak as soak_driver
-from zipmoe.clients import soak_requests
+from zipmoe.clients import soak_checks, soak_requests
 from zipmoe.clients.server_probe import memory_snapshot
 from zipmoe.clients.soak import SoakConfig
 from zipmoe.clients.soak_requests import Outcome, SoakRequest
@@ -48,25 +48,25 @@ REQ = SoakRequest(index=0, model="mm_qa", question="q", images=(), max_tokens=8,
 
 
 def test_a_lost_or_repeated_response_is_caught():
-    assert soak_driver.stream_problems(REQ, stream(["a", "b", "c"])) == []
-    assert soak_driver.stream_problems(REQ, stream(["a", "c"], [1, 3]))  # one lost
-    assert soak_driver.stream_problems(REQ, stream(["a", "b", "b", "c"], [1, 2, 2, 3]))  # one repeated
+    assert soak_checks.stream_problems(REQ, stream(["a", "b", "c"])) == []
+    assert soak_checks.stream_problems(REQ, stream(["a", "c"], [1, 3]))  # one lost
+    assert soak_checks.stream_problems(REQ, stream(["a", "b", "b", "c"], [1, 2, 2, 3]))  # one repeated
     early = stream(["a", "b"])
     early.responses[0]["finish_reason"] = "eos"
-    assert soak_driver.stream_problems(REQ, early)
+    assert soak_checks.stream_problems(REQ, early)
     reference = ["He", "llo", " wor", "ld"]
-    assert soak_driver.loss_pattern(["He", " wor", "ld"], reference) == "reference delta 1 dropped"
-    assert soak_driver.loss_pattern(["He", "llo", "llo", " wor", "ld"], reference) == "reference delta 1 repeated"
-    assert soak_driver.loss_pattern(["He", "llo", " war", "ld"], reference) is None
+    assert soak_checks.loss_pattern(["He", " wor", "ld"], reference) == "reference delta 1 dropped"
+    assert soak_checks.loss_pattern(["He", "llo", "llo", " wor", "ld"], reference) == "reference delta 1 repeated"
+    assert soak_checks.loss_pattern(["He", "llo", " war", "ld"], reference) is None
 
 
 def test_an_answer_is_compared_whole():
     loaded = stream(["He", "llo"])
     same = Outcome(responses=[{"text_output": "Hello", "output_token_count": 2, "input_token_count": 9,
                                "finish_reason": "length"}])
-    assert soak_driver.compare(REQ, loaded, same) is None
+    assert soak_checks.compare(REQ, loaded, same) is None
     other = Outcome(responses=[{**same.responses[0], "text_output": "Help"}])
-    assert soak_driver.compare(REQ, loaded, other)["first_char_differing"] == 3
+    assert soak_checks.compare(REQ, loaded, other)["first_char_differing"] == 3
 
 
 def test_the_memory_of_a_process_group_is_read():

@@ -8,13 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from zipmoe import serve
 from zipmoe.clients.triton_client import grpc_generate
+from zipmoe.clients.server_probe import ready
 from zipmoe.supervisor import dead, stub_pids
 
 pytestmark = pytest.mark.integration
@@ -26,14 +26,6 @@ def wait_for(log: Path, text: str, timeout: float, proc: subprocess.Popen) -> No
         assert proc.poll() is None, f"zipmoe serve exited:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
-
-
-def ready(http: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def server_group(http: int) -> int:
@@ -78,7 +70,7 @@ def test_a_dead_stub_fails_in_flight_requests_and_the_server_comes_back(tiny_che
         killed = time.monotonic()
         saw_not_ready = False
         while not saw_not_ready and time.monotonic() - killed < 20:
-            saw_not_ready = not ready(http)
+            saw_not_ready = not ready(f"127.0.0.1:{http}")
             time.sleep(0.1)
         for t in threads:
             t.join(60)
@@ -87,7 +79,7 @@ def test_a_dead_stub_fails_in_flight_requests_and_the_server_comes_back(tiny_che
         assert dead(decoder)
         wait_for(log, "zipmoe: ready again", 300, proc)
         answer = list(grpc_generate(f"127.0.0.1:{grpc}", text_input="still there?", max_tokens=3, ignore_eos=True))
-        assert answer[-1]["output_token_count"] == 3 and ready(http)
+        assert answer[-1]["output_token_count"] == 3 and ready(f"127.0.0.1:{http}")
     finally:
         proc.send_signal(signal.SIGINT)
         try:
