@@ -53,7 +53,8 @@ import numpy as np
 
 from zipmoe import serve
 from zipmoe.clients import bench_serving_report as report
-from zipmoe.clients.eval_quality import display_path, resolve_checkpoint, routing_effect
+from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
+from zipmoe.clients.eval_quality import routing_effect
 from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
 
 BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed")

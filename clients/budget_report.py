@@ -17,7 +17,7 @@ import torch
 
 from zipmoe import serve
 from zipmoe.build import notes_data
-from zipmoe.clients.eval_quality import display_path
+from zipmoe.clients.checkpoint_paths import display_path
 from zipmoe.visionzip import BUDGET_WEIGHTINGS, ImageFeatures, compress, distinct_token_count, weigh_images
 
 KINDS = ("dense", "plain")

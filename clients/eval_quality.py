@@ -11,7 +11,8 @@ Two sweeps through the real server, greedy decoding:
   (b) at keep 1.0: truncate to the first 1 or 2 experts ("top1", "top2"), sere for K' in {1, 2}
       x rho in {0.0, 0.3, 0.5} x protect on/off, oea (k0 = 2); topk at keep 1.0 is shared with (a).
 `quick` runs topk at keep 1.0 and 0.5, top2 and sere K'=2 rho=0.5 protect on (a smoke test);
-`keep` runs sweep (a) alone on one server. `--set` changes any other config.pbtxt parameter on
+`keep` runs sweep (a) alone on one server; `core` the rows issue 18's targets read (topk at keep 1.0,
+0.6 and 0.4, top2, sere K'=2 rho 0.5 protect on and off, sere K'=2 rho 0 protect on, oea). `--set` changes any other config.pbtxt parameter on
 every server (to see what an edit to the repository would do).
 One tritonserver per configuration; all examples of a setting go with --concurrency requests in
 flight, so decode batches are real. A request that fails counts as wrong and is reported. Each
@@ -36,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zipmoe import serve
+from zipmoe.clients.checkpoint_paths import REPO, display_path, ensure_sere, resolve_checkpoint
 from zipmoe.clients.eval_quality_report import DEFAULT_BUDGET, plot, row_label
 from zipmoe.clients.triton_client import scrape_metrics
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "docs" / "results" / "quality"
 KINDS = ("dense", "plain")
 KEEP_RATIOS = (1.0, 0.7, 0.6, 0.5, 0.3)
@@ -47,7 +48,7 @@ SERE_PRIMARY_K = (1, 2)
 SERE_RHO = (0.0, 0.3, 0.5)
 SERE_PROTECT = (True, False)
 HEADLINE_KEEP = 0.6  # top-level tokens_kept is reported at this keep ratio when it ran
-PLANS = ("full", "quick", "keep")
+PLANS = ("full", "quick", "keep", "core")
 
 
 # ---------------------------------------------------------------------------------------- settings
@@ -102,6 +103,9 @@ def plan(settings: str) -> list[tuple[Setting, tuple[float, ...]]]:
         return [(TOPK, (1.0, 0.5)), (TOP2, (1.0,)), (sere(2, 0.5, True), (1.0,))]
     if settings == "keep":
         return [(TOPK, KEEP_RATIOS)]
+    if settings == "core":
+        return [(TOPK, (1.0, 0.6, 0.4)), (TOP2, (1.0,)), (sere(2, 0.5, True), (1.0,)), (sere(2, 0.5, False), (1.0,)),
+                (sere(2, 0.0, True), (1.0,)), (OEA, (1.0,))]
     if settings == "full":
         return ([(TOPK, KEEP_RATIOS), (TOPK_BY_SIZE, KEEP_RATIOS[1:]), (TOP1, (1.0,)), (TOP2, (1.0,))]
                 + [(sere(k, rho, p), (1.0,)) for k in SERE_PRIMARY_K for rho in SERE_RHO for p in SERE_PROTECT]
@@ -284,42 +288,6 @@ def _write_json(result: dict, path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ running
 
-def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
-    """The given directory (the tiny one is built when needed); the trained one by default."""
-    from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
-
-    path = serve.TRAINED_CHECKPOINT if checkpoint is None else Path(checkpoint).expanduser()
-    if path.resolve() == serve.TINY_CHECKPOINT.resolve():
-        return build_tiny_checkpoint(serve.TINY_CHECKPOINT)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory {path}")
-    return path
-
-
-def ensure_sere(checkpoint: Path) -> None:
-    """sere.safetensors beside the checkpoint, calibrated now when missing or stale."""
-    from zipmoe.sere_file import load_sere
-
-    try:
-        load_sere(checkpoint)
-    except (FileNotFoundError, ValueError) as e:
-        import torch
-
-        from zipmoe.build.sere_calibrate import calibrate
-
-        cuda = torch.cuda.is_available()
-        print(f"{e}; calibrating", flush=True)
-        calibrate(checkpoint, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32")
-
-
-def display_path(path: Path) -> str:
-    """Relative to the repository when inside it (what results files record)."""
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path.resolve())
-
-
 def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int = 200, concurrency: int = 16,
              max_tokens: int | None = None, settings: str | list[tuple[Setting, tuple[float, ...]]] = "full",
              out: str | Path | None = DEFAULT_OUT,
@@ -400,7 +368,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sizes = {s: f"{sum(len(k) for _, k in plan(s))} settings on {len(plan(s))} servers" for s in PLANS}
     p.add_argument("--settings", choices=PLANS, default="full",
                    help=f"full: both sweeps ({sizes['full']}); quick: a smoke test ({sizes['quick']}); "
-                        f"keep: the keep-ratio sweep alone ({sizes['keep']})")
+                        f"keep: the keep-ratio sweep alone ({sizes['keep']}); core: issue 18's rows ({sizes['core']})")
     p.add_argument("--set", action="append", default=[], dest="overrides", metavar="MODEL.PARAMETER=VALUE",
                    help="a config.pbtxt parameter for every server (repeatable)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,

@@ -306,7 +306,7 @@ def config_from(args) -> SoakConfig:
 
 
 def main(argv=None) -> int:
-    from zipmoe.clients.eval_quality import display_path, resolve_checkpoint
+    from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 
     args = parse_args(argv)
     config = config_from(args)

@@ -74,6 +74,9 @@ def test_plans():
     assert len({s.slug for s in settings}) == 17  # one log file per server
     assert eq.TOPK_BY_SIZE.slug == "topk-budget-size"
     assert eq.plan("keep") == [(eq.TOPK, eq.KEEP_RATIOS)]
+    core = eq.plan("core")  # issue 18's rows: a subset of full's settings, one server each
+    assert {s for s, _ in core} <= {s for s, _ in full}
+    assert core[0] == (eq.TOPK, (1.0, 0.6, 0.4)) and all(k == (1.0,) for _, k in core[1:])
     with pytest.raises(ValueError):
         eq.plan("everything")
 
