@@ -18,9 +18,13 @@ Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
   vocabulary 832 (822 used);
   vision: 8 layers of 192 (3 heads of 64), DeepStack from layers 2 and 5, a 32 x 32 position table.
 
-Measured on the H200 (docs/results/train_v2_log.json): 46.5 examples/s at batch 32, a step of 32
-taking 0.48 s of which the GPU is busy 0.41 s; the host launches ~12.5 k kernels a step, most of
-them the vision attention's per-length groups. The estimate this recipe was sized by, for comparison:
+Measured on the H200: the first run (docs/results/train_v2_log.json) trained at 46.5 examples/s at
+batch 32, a step taking 0.48 s (torch profiler, one step after warm-up) with ~12.5 k kernel
+launches, most of them the vision attention's per-length groups and torch's per-expert fallback for
+float32 grouped GEMMs. With one varlen flash call per vision layer (`train_v2_vision`) and the
+expert GEMMs in bf16 (`training.grouped_mm_in_bf16`) the same step takes 0.24 s, 229 ms of host
+and 233 ms of GPU time: about twice the examples in the same minutes. The estimate this recipe was
+sized by, for comparison:
 Task set v2 averages 3.09 images of 444 merged tokens an example: ~1,420 decoder tokens and ~5,490
 vision patches, in images of ~1,890 patches (patch-weighted mean, which sets the attention cost).
 Training FLOPs (3 x forward): vision ~54 MFLOP/patch (forward: 6.5 linear + 11.6 attention)
@@ -55,7 +59,7 @@ from zipmoe.build.tiny_checkpoint import PREPROCESSOR_CONFIG
 from zipmoe.build.training import (SplitDataset, answer_exact_match, eval_batches, finish, fit, loaders, move_batch,
                                    set_up)
 from zipmoe.build.training import collate  # noqa: F401  (re-exported: callers collate batches through this module)
-from zipmoe.build.train_v2_vision import (GROUPED_IMAGE_ATTENTION, TokenReadingHead, device_pixels,
+from zipmoe.build.train_v2_vision import (PACKED_IMAGE_ATTENTION, TokenReadingHead, device_pixels,
                                           grid_cached_vision_inputs, token_readings, uint8_patches)
 from zipmoe.clients.quality_metrics import exact_match, token_f1
 
@@ -145,7 +149,7 @@ def train(out: str | Path, size: str = "v2", steps: int = 2400, batch: int = 64,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64) -> dict:
     run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
-                 vision_attention=GROUPED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
+                 vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
     reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size).to(dev)
     print(f"{run.out}: {run.params / 1e6:.1f} M parameters ({2 * run.params / 1e6:.1f} MB in bf16), training on {dev}")

@@ -3,8 +3,11 @@
 train_tiny's shortcuts assume one image size (one batched SDPA, one grid of rotary positions, a
 reading head over a fixed number of tokens). Task set v2 (`build/taskset_v2.py`) draws images of
 448..896 px a side, so here:
-  - `grouped_image_attention`: one SDPA per distinct image length (the serving tower's grouping,
-    `zipmoe.vision.attention_groups`) instead of transformers' loop over images;
+  - `packed_image_attention`: on CUDA in bf16/fp16, one variable-length flash attention call per
+    layer over the packed images (`torch.nn.attention.varlen`); elsewhere one SDPA per distinct
+    image length (the serving tower's grouping, `zipmoe.vision.attention_groups`). Either replaces
+    transformers' loop over images. The grouped path cost the H200 ~33 groups a layer (a gather,
+    an SDPA and a scatter each, forward and backward): most of a training step's 12.5 k launches;
   - `grid_cached_vision_inputs`: rotary position ids built once per distinct grid, then concatenated;
   - `uint8_patches` (in the DataLoader workers) and `device_pixels` (on the training device): the
     workers ship patchified uint8 pixels without the temporal copy (an eighth of the float32
@@ -32,24 +35,45 @@ IGNORE = -100  # cross_entropy's ignore_index: slots after END
 
 # transformers hands the vision attention packed images and their cu_seqlens only for attention
 # names containing "flash" (the varlen path); the rest of the name says what runs.
-GROUPED_IMAGE_ATTENTION = "flash_grouped_images_sdpa"
+PACKED_IMAGE_ATTENTION = "flash_packed_images"
+
+try:  # torch >= 2.10 on CUDA: flash attention over packed sequences, with backward
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch: the grouped path everywhere
+    varlen_attn = None
 
 
-def grouped_image_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            cu_seq_lens_q=None, **kwargs):
-    """query/key/value [1, heads, N, dim] packing images of any lengths -> ([1, N, heads, dim], None).
-    Images of one length (wherever they are in the batch) share one SDPA call."""
+def varlen_applies(query: torch.Tensor, dropout: float) -> bool:
+    return (varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and dropout == 0.0)
+
+
+def grouped_image_attention(query, key, value, lengths: list[int], scaling=None, dropout=0.0) -> torch.Tensor:
+    """query/key/value [1, heads, N, dim] packing images of `lengths` -> [N, heads, dim]. Images of
+    one length (wherever they are in the batch) share one SDPA call."""
     heads, n_tokens, dim = query.shape[1:]
-    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
     out = query.new_empty(n_tokens, heads, dim)
     for length, rows in attention_groups(lengths, query.device):
         q, k, v = (t[0][:, rows].view(heads, -1, length, dim).transpose(0, 1) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)  # [images, heads, L, dim]
         out[rows] = o.permute(0, 2, 1, 3).reshape(-1, heads, dim)
-    return out.unsqueeze(0), None
+    return out
 
 
-AttentionInterface.register(GROUPED_IMAGE_ATTENTION, grouped_image_attention)
+def packed_image_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                           cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """The tower's attention interface: query/key/value [1, heads, N, dim] packing images of any
+    lengths (cu_seq_lens_q) -> ([1, N, heads, dim], None)."""
+    if varlen_applies(query, dropout):
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, dim]
+        cu = cu_seq_lens_q.to(torch.int32)
+        longest = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling).unsqueeze(0), None
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    return grouped_image_attention(query, key, value, lengths, scaling, dropout).unsqueeze(0), None
+
+
+AttentionInterface.register(PACKED_IMAGE_ATTENTION, packed_image_attention)
 
 
 def grid_cached_vision_inputs(visual) -> None:

@@ -9,7 +9,8 @@ whose learning rate decays over whichever runs out first, the steps or the minut
   - `SplitDataset`: a split's examples as model inputs (`text_inputs`: the engine's splice of the
     prompt, then the answer) and `collate` for the batch; `MergedTokensHead`, the reading heads' base;
   - `set_up`: tokenizer, config, model, the training-time vision shortcuts and experts
-    implementation (`grouped_mm_trains_on` decides whether grouped GEMM can train here);
+    implementation (`grouped_mm_trains_on` decides whether grouped GEMM can train here,
+    `grouped_mm_in_bf16` runs it in bf16 under CUDA autocast);
   - `loaders`, `fit` (optimiser and step loop, periodic validation), `eval_batches` (the
     validation forward) and `finish` (the checkpoint, `train_log.json`, SERE calibration).
 
@@ -122,6 +123,28 @@ def grouped_mm_trains_on(device: torch.device) -> bool:
         return False
 
 
+def grouped_mm_in_bf16() -> None:
+    """Under CUDA autocast, run transformers' grouped expert GEMMs in bf16 (process-wide, idempotent).
+
+    Autocast does not cover torch's grouped GEMM (pytorch#174763), so on the float32 master weights
+    it ran torch's per-expert fallback: one GEMM per expert and projection, forward and backward,
+    ~2.5 k of a v2 training step's launches on the H200. Its bf16 kernel does the same math at the
+    precision autocast gives every other GEMM of the step."""
+    from transformers.integrations import moe
+
+    if getattr(moe._grouped_mm, "in_bf16", False):
+        return
+    grouped_mm = moe._grouped_mm
+
+    def grouped_mm_bf16(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if weight.is_cuda and torch.is_autocast_enabled("cuda"):
+            return grouped_mm(input.to(torch.bfloat16), weight.to(torch.bfloat16), offs)
+        return grouped_mm(input, weight, offs)
+
+    grouped_mm_bf16.in_bf16 = True
+    moe._grouped_mm = grouped_mm_bf16
+
+
 def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per example: every answer token predicted (teacher forcing) -> bool [B]."""
     pred = logits[:, :-1].argmax(-1)
@@ -187,6 +210,8 @@ def set_up(out: str | Path, size: tuple[dict, dict], corpus: list[str], vocab_si
     vision_inputs(model.model.visual)
     if experts == "grouped_mm" and not experts_train(dev):
         experts = "eager"
+    if experts == "grouped_mm" and dev.type == "cuda":
+        grouped_mm_in_bf16()
     config.text_config._experts_implementation = experts
     params = sum(p.numel() for p in model.parameters())
     return Run(out, dev, tok, config, model, params, experts, saved)

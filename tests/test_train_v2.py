@@ -10,7 +10,7 @@ import torch
 
 from zipmoe.build import taskset_v2 as ts
 from zipmoe.build.train_v2 import MAX_PIXELS, SMOKE, TaskSetV2Dataset, collate
-from zipmoe.build.train_v2_vision import (END, GROUPED_IMAGE_ATTENTION, IGNORE, READING_SLOTS, device_pixels,
+from zipmoe.build.train_v2_vision import (END, PACKED_IMAGE_ATTENTION, IGNORE, READING_SLOTS, device_pixels,
                                           grid_cached_vision_inputs, token_readings, uint8_patches)
 from zipmoe.build.taskset_v2_docs import CHARSET, Mark
 from zipmoe.prompt import ChatPrompt
@@ -44,7 +44,7 @@ def test_smoke_run_writes_a_servable_checkpoint(smoke):
     assert 0.0 <= saved["val_f1"] <= 1.0 and set(saved["val_by_task"]) <= set(ts.TASKS)
     assert saved["throughput"]["examples_per_second"] > 0
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["vision_config"].get("_attn_implementation") != GROUPED_IMAGE_ATTENTION  # a training-time choice
+    assert cfg["vision_config"].get("_attn_implementation") != PACKED_IMAGE_ATTENTION  # a training-time choice
     assert ImageConfig.from_checkpoint(out).max_pixels == MAX_PIXELS >= 896 * 896
     engine = LLMEngine(out, EngineConfig(num_kv_blocks=256, max_model_len=4096))
     assert engine.text.num_experts == 32 and engine.text.top_k == 4
@@ -101,12 +101,61 @@ def test_grouped_vision_shortcuts_match_the_towers_per_image_loops(smoke):
     grids = torch.tensor([[1, im.height // 16, im.width // 16] for im in images])
     with torch.no_grad():
         reference = visual(pixels, grid_thw=grids).pooler_output
-        visual.config._attn_implementation = GROUPED_IMAGE_ATTENTION
+        visual.config._attn_implementation = PACKED_IMAGE_ATTENTION
         grid_cached_vision_inputs(visual)
         grouped = visual(pixels, grid_thw=grids).pooler_output
         again = visual(pixels, grid_thw=grids).pooler_output  # from the position cache
     torch.testing.assert_close(grouped, reference, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(again, reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_image_attention_matches_the_grouped_reference():
+    """On CUDA in bf16 the packed attention is one variable-length flash call; it gives the grouped
+    SDPA's output and gradients (images of three lengths, two of one length apart)."""
+    from zipmoe.build.train_v2_vision import grouped_image_attention, packed_image_attention, varlen_applies
+
+    torch.manual_seed(0)
+    lengths = [448, 896, 448, 1120]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(1, 3, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    assert varlen_applies(q, 0.0)
+    out, _ = packed_image_attention(None, q, k, v, None, scaling=0.125, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref_out = grouped_image_attention(q, k, v, lengths, scaling=0.125).unsqueeze(0)
+    ref = torch.autograd.grad(ref_out, (q, k, v), grad)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_experts_in_bf16_match_float32_within_bf16_precision():
+    """Under CUDA autocast the grouped expert GEMM runs in bf16: output and weight gradient as the
+    float32 one to bf16 precision; without autocast it stays float32."""
+    from transformers.integrations import moe
+
+    from zipmoe.build.training import grouped_mm_in_bf16
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 64, device="cuda")
+    w = torch.randn(4, 64, 32, device="cuda", requires_grad=True)
+    offs = torch.tensor([10, 40, 40, 96], device="cuda", dtype=torch.int32)
+    reference = moe._grouped_mm(x, w, offs)
+    (ref_grad,) = torch.autograd.grad(reference.square().sum(), w)
+    grouped_mm_in_bf16()
+    grouped_mm_in_bf16()  # idempotent
+    assert moe._grouped_mm(x, w, offs).dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = moe._grouped_mm(x, w, offs)
+    assert out.dtype == torch.bfloat16
+    (grad,) = torch.autograd.grad(out.float().square().sum(), w)
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=0.2)
+    torch.testing.assert_close(grad, ref_grad, rtol=3e-2, atol=2.0)
 
 
 def test_token_readings_label_each_block_with_its_characters():
