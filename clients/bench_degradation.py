@@ -39,7 +39,8 @@ import numpy as np
 
 from zipmoe import serve
 from zipmoe.clients import bench_serving_report as report
-from zipmoe.clients.bench_serving import add_server_arguments, parse_size, pct, rounded, synthetic_jpeg
+from zipmoe.clients.bench_common import parse_size, pct, rounded, synthetic_jpeg
+from zipmoe.clients.bench_serving import add_server_arguments
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.triton_client import ServerBusy, ServerError, grpc_generate_async, scrape_metrics
 

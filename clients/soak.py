@@ -55,7 +55,7 @@ import numpy as np
 from zipmoe import serve
 from zipmoe.clients.server_probe import (MemorySampler, memory_snapshot, models_not_ready, ready, wait_blocks_back,
                                          wait_idle)
-from zipmoe.clients.bench_serving import device_info
+from zipmoe.clients.bench_common import device_info
 from zipmoe.clients.soak_checks import compare, diagnose, first_difference, growth_ok, stream_problems
 from zipmoe.clients.soak_requests import (KEEP_USED, MODELS, Outcome, SoakRequest, make_requests, pool_image,
                                           reference_inputs, run_loaded, run_whole)
@@ -294,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config_from(args) -> SoakConfig:
-    from zipmoe.clients.bench_serving import parse_size
+    from zipmoe.clients.bench_common import parse_size
 
     return SoakConfig(requests=args.requests, concurrency=args.concurrency, max_images=args.max_images,
                       image_pool=args.image_pool, image_size=parse_size(args.image_size) if args.image_size else None,

@@ -36,9 +36,9 @@ QUESTIONS = (
 
 def pool_image(i: int, size: tuple[int, int] | None = None) -> bytes:
     """Distinct deterministic image i of the pool: a small note (JPEG or PNG, 96..160 x 64..128 pixels,
-    its own colour and text) by default, or a detailed JPEG of `size` (bench_serving.synthetic_jpeg)."""
+    its own colour and text) by default, or a detailed JPEG of `size` (bench_common.synthetic_jpeg)."""
     if size is not None:
-        from zipmoe.clients.bench_serving import synthetic_jpeg
+        from zipmoe.clients.bench_common import synthetic_jpeg
 
         return synthetic_jpeg(10_000 + i, size)
     from PIL import Image, ImageDraw

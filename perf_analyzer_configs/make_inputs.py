@@ -14,7 +14,7 @@ short answers, a few entries: the CPU test and examples); `full` is what the H20
 (512x512 JPEGs, the seed's answer lengths, 250 business entries), generated into
 perf_analyzer_configs/.work/inputs/full/ at run time (hundreds of MB: not committed).
 
-Images are `bench_serving.synthetic_jpeg` pictures, each request's own (distinct seeds), so an
+Images are `bench_common.synthetic_jpeg` pictures, each request's own (distinct seeds), so an
 entry never hits mm_qa_bls's feature cache on its first use. perf_analyzer cycles through the
 entries when it sends more requests than there are; mm_qa has no cache, so a repeat costs the same.
 """
@@ -105,7 +105,7 @@ def shapes(workload: str, profile: Profile, entries: int, seed: int) -> list[tup
 
 
 def _jpeg(args: tuple[int, tuple[int, int], int]) -> bytes:
-    from zipmoe.clients.bench_serving import synthetic_jpeg
+    from zipmoe.clients.bench_common import synthetic_jpeg
 
     return synthetic_jpeg(*args)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zipmoe.clients.bench_serving import pct, rounded
+from zipmoe.clients.bench_common import pct, rounded
 
 NS_PER_MS = 1e6
 

@@ -41,7 +41,8 @@ from pathlib import Path
 
 from perf_analyzer_configs import deps, make_inputs, profile_export, report
 from zipmoe import serve
-from zipmoe.clients.bench_serving import add_server_arguments, device_info
+from zipmoe.clients.bench_common import device_info
+from zipmoe.clients.bench_serving import add_server_arguments
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
 from zipmoe.clients.triton_client import scrape_metrics

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zipmoe.clients import bench_serving, bench_serving_report
+from zipmoe.clients import bench_common, bench_serving, bench_serving_report
 
 SAVED = Path(__file__).resolve().parents[1] / "docs" / "results" / "serving_30b_h200.json"  # a real H200 run
 
@@ -110,8 +110,8 @@ def test_starts_one_server_with_overrides_and_extra_args(zipmoe_server, tiny_che
 
 
 def test_synthetic_jpegs_are_seeded_and_detailed():
-    a, b = bench_serving.synthetic_jpeg(0, (256, 192)), bench_serving.synthetic_jpeg(1, (256, 192))
-    assert a == bench_serving.synthetic_jpeg(0, (256, 192)) and a != b
+    a, b = bench_common.synthetic_jpeg(0, (256, 192)), bench_common.synthetic_jpeg(1, (256, 192))
+    assert a == bench_common.synthetic_jpeg(0, (256, 192)) and a != b
     assert a[:2] == b"\xff\xd8" and len(a) > 256 * 192 * 3 // 20  # no flat test card: well above 5 % of raw
 
 
