@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.layer_ops import topk_softmax_reference
+from ..kernels.oea_reroute import oea_reroute, oea_reroute_reference
 from ..kernels.sere_reroute import sere_reroute, sere_reroute_reference
 
 
@@ -109,27 +110,11 @@ class OeaPolicy(RoutingPolicy):
         self.normalize = normalize
 
     def route(self, layer, probs, ids, weights, opt_out):
-        K, k0 = ids.shape[1], self.k0
-        if k0 >= K:
+        if self.k0 >= ids.shape[1]:
             return ids, weights
-        E = probs.shape[1]
-        union = torch.zeros(E, dtype=torch.bool, device=ids.device)
-        union.index_fill_(0, ids[:, :k0].reshape(-1), True)  # a scalar fill: capturable in a CUDA graph
-        # Candidates for the other slots: experts in the union, not already among the token's top-k0.
-        allowed = union[None, :].expand(ids.shape[0], E).clone()
-        allowed.scatter_(1, ids[:, :k0], False)
-        scores = probs.masked_fill(~allowed, -1.0)
-        fill_p, fill = scores.topk(K - k0, dim=1)
-        empty = fill_p < 0  # fewer candidates than slots: the slot keeps weight 0
-        new_ids = torch.cat([ids[:, :k0], torch.where(empty, ids[:, :1], fill)], dim=1)
-        new_w = torch.cat([probs.gather(1, ids[:, :k0]), fill_p.clamp(min=0)], dim=1)
-        if self.normalize:
-            new_w = new_w / new_w.sum(dim=1, keepdim=True)
-        new_w = new_w.to(weights.dtype)
-        if opt_out is not None:
-            keep = opt_out[:, None]
-            new_ids, new_w = torch.where(keep, ids, new_ids), torch.where(keep, weights, new_w)
-        return new_ids, new_w
+        # One Triton launch on CUDA (the same ids as the reference, which CPU runs).
+        reroute = oea_reroute if ids.is_cuda else oea_reroute_reference
+        return reroute(probs, ids, weights, opt_out, self.k0, self.normalize)
 
 
 class TruncatePolicy(RoutingPolicy):
