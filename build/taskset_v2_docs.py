@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-from zipmoe.build import notes_data as nd
+from zipmoe.build import notes_drawing as drawing
 
 SIDES: tuple[int, ...] = tuple(range(448, 897, 64))  # 448 .. 896: few distinct sizes, so training
 # can batch the vision attention of equal-length images (build/train_v2.py)
@@ -92,8 +92,8 @@ class Drawn:
 def _write(draw: ImageDraw.ImageDraw, marks: list[Mark], xy, text: str, size: int, fill, anchor: str) -> None:
     """notes_data's `_text` (ink box placed by `anchor`), plus a Mark per non-space character. The
     placement arithmetic repeats `_text`'s so the marks land where it drew."""
-    font = nd._font(size)
-    nd._text(draw, xy, text, font, fill, anchor)
+    font = drawing.load_font(size)
+    drawing.draw_text(draw, xy, text, font, fill, anchor)
     x0, y0, x1, y1 = font.getbbox(text)
     left = round(xy[0] - {"l": x0, "m": (x0 + x1) / 2, "r": x1}[anchor[0]])
     top = round(xy[1] - {"t": y0, "m": (y0 + y1) / 2, "b": y1}[anchor[1]])
@@ -105,7 +105,7 @@ def _write(draw: ImageDraw.ImageDraw, marks: list[Mark], xy, text: str, size: in
 
 def text_width(text: str, size: int) -> float:
     """Ink width of `text` in the documents' font at `size` px (for layout while planning)."""
-    return nd._ink_width(nd._font(size), text)
+    return drawing.ink_width(drawing.load_font(size), text)
 
 
 def _dashes(draw, x0: float, x1: float, y: float, ink, width: int) -> None:
@@ -142,11 +142,11 @@ def table_geometry(size: tuple[int, int], rows: int, cols: int) -> tuple[float, 
 def _draw_receipt(doc: Receipt, rng: random.Random, img: Image.Image, marks: list[Mark]) -> None:
     W, H = img.size
     draw = ImageDraw.Draw(img)
-    ink = nd._ink(rng)
+    ink = drawing.ink_colour(rng)
     step = receipt_step(doc.font)
     # a paper strip narrower than the image: the margins are the plain background of a photo of it
     side = rng.randint(8, 20)
-    draw.rectangle((side, 8, W - side, H - 8), fill=nd._paper(rng), outline=nd._shade(rng, (200, 200, 200), 10))
+    draw.rectangle((side, 8, W - side, H - 8), fill=drawing.paper_colour(rng), outline=drawing.shade(rng, (200, 200, 200), 10))
     mx = side + rng.randint(12, 20)
     y = 24 + step / 2 + rng.uniform(-3, 3)
     _write(draw, marks, (W / 2, y), doc.store, round(doc.font * 1.15), ink, "mm")
@@ -167,17 +167,17 @@ def _draw_shelf(doc: Shelf, rng: random.Random, img: Image.Image, marks: list[Ma
     W, H = img.size
     draw = ImageDraw.Draw(img)
     row_h = shelf_row_height(img.size, len(doc.rows))
-    wood = nd._shade(rng, (150, 110, 70), 15)
+    wood = drawing.shade(rng, (150, 110, 70), 15)
     for r, row in enumerate(doc.rows):
         plank = (r + 1) * row_h - 14
         draw.rectangle((0, plank, W, plank + 14), fill=wood)  # the shelf edge the tags hang above
         cell = W / len(row)
         for c, (name, price) in enumerate(row):
-            ink = nd._ink(rng)
+            ink = drawing.ink_colour(rng)
             cx = (c + 0.5) * cell + rng.uniform(-6, 6)
             half_w = min(cell / 2 - 10, max(text_width(name, doc.font), text_width(price, 2 * doc.font)) / 2 + 18)
             top, bottom = plank - 20 - doc.font * 3.6, plank - 8
-            tint = nd._shade(rng, rng.choice([(255, 248, 200), (255, 255, 255), (255, 225, 225)]), 5)
+            tint = drawing.shade(rng, rng.choice([(255, 248, 200), (255, 255, 255), (255, 225, 225)]), 5)
             draw.rectangle((cx - half_w, top, cx + half_w, bottom), fill=tint, outline=ink, width=2)
             _write(draw, marks, (cx, top + 8 + doc.font * 0.5), name, doc.font, ink, "mm")
             _write(draw, marks, (cx, bottom - 8 - doc.font), price, 2 * doc.font, ink, "mm")
@@ -186,10 +186,10 @@ def _draw_shelf(doc: Shelf, rng: random.Random, img: Image.Image, marks: list[Ma
 def _draw_table(doc: Table, rng: random.Random, img: Image.Image, marks: list[Mark]) -> None:
     W, H = img.size
     draw = ImageDraw.Draw(img)
-    ink = nd._ink(rng)
+    ink = drawing.ink_colour(rng)
     margin, label_w, col_w, row_h = table_geometry(img.size, len(doc.rows), len(doc.columns))
     x_end, y_end = margin + label_w + col_w * len(doc.columns), margin + row_h * (len(doc.rows) + 1)
-    draw.rectangle((margin, margin, x_end, margin + row_h), fill=nd._shade(rng, (225, 230, 240), 8))
+    draw.rectangle((margin, margin, x_end, margin + row_h), fill=drawing.shade(rng, (225, 230, 240), 8))
     for r in range(len(doc.rows) + 2):  # horizontal rules
         draw.line((margin, margin + r * row_h, x_end, margin + r * row_h), fill=ink, width=2)
     for c in range(len(doc.columns) + 2):  # vertical rules
@@ -207,7 +207,7 @@ def _draw_table(doc: Table, rng: random.Random, img: Image.Image, marks: list[Ma
 def _draw_form(doc: Form, rng: random.Random, img: Image.Image, marks: list[Mark]) -> None:
     W, H = img.size
     draw = ImageDraw.Draw(img)
-    ink = nd._ink(rng)
+    ink = drawing.ink_colour(rng)
     step = (H - 48) / (len(doc.fields) + 2)
     mx = rng.randint(24, 36)
     _write(draw, marks, (W / 2, 24 + step / 2), doc.title, round(doc.font * 1.3), ink, "mm")
@@ -216,7 +216,7 @@ def _draw_form(doc: Form, rng: random.Random, img: Image.Image, marks: list[Mark
         y = 24 + (k + 1.5) * step
         _write(draw, marks, (mx, y), label + ":", doc.font, ink, "lm")
         box = (box_x, y - doc.font, W - mx, y + doc.font)
-        draw.rectangle(box, outline=nd._shade(rng, (120, 120, 120), 20), width=2)
+        draw.rectangle(box, outline=drawing.shade(rng, (120, 120, 120), 20), width=2)
         _write(draw, marks, (box_x + 10, y), value, doc.font, ink, "lm")
 
 
@@ -233,7 +233,7 @@ def _draw_photo(doc: Photo, rng: random.Random, img: Image.Image, marks: list[Ma
         size = min(slot, H) * rng.uniform(0.35, 0.6)
         x0 = k * slot + rng.uniform(0.1 * slot, 0.9 * slot - size)
         y0 = rng.uniform(0.15 * H, 0.85 * H - size)
-        fill = nd._shade(rng, nd.COLOURS[colour], 15)
+        fill = drawing.shade(rng, drawing.COLOURS[colour], 15)
         box = (x0, y0, x0 + size, y0 + size)
         if shape == "circle":
             draw.ellipse(box, fill=fill)
@@ -248,7 +248,7 @@ _DRAW = {Receipt: _draw_receipt, Shelf: _draw_shelf, Table: _draw_table, Form: _
 
 def draw(doc: Doc, rng: random.Random) -> Drawn:
     """Pixels of `doc` (jitter from `rng`) and the characters printed on it."""
-    background = nd._shade(rng, (200, 195, 185), 20) if isinstance(doc, Receipt) else nd._paper(rng)
+    background = drawing.shade(rng, (200, 195, 185), 20) if isinstance(doc, Receipt) else drawing.paper_colour(rng)
     img = Image.new("RGB", doc.size, background)
     marks: list[Mark] = []
     _DRAW[type(doc)](doc, rng, img, marks)
