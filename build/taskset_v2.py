@@ -55,6 +55,13 @@ QUESTIONS: dict[str, str] = {
     "multi_find": "which image has a tag for {item}, and what is its price?",
 }
 
+# Training only (build/train_v2.py mixes them in; never in validation or test): read one entry of one
+# document by its place, "read entry 3 of image 2." -> "BREAD 3.49". The tasks above find an entry
+# by its name first; this one supervises reading digits through the decoder at a place that is easy
+# to find, as train_tiny's describe questions do for the notes model.
+READ_TASK = "read_entry"
+READ_QUESTION = "read entry {k} of image {i}."
+
 ITEMS: tuple[str, ...] = (
     "MILK", "BREAD", "EGGS", "RICE", "TEA", "COFFEE", "APPLES", "BANANAS", "CHEESE", "BUTTER", "PASTA", "SUGAR",
     "SALT", "FLOUR", "JUICE", "WATER", "SOAP", "TOMATOES", "ONIONS", "YOGURT", "HONEY", "OATS", "BEANS", "CORN",
@@ -264,12 +271,43 @@ def plan(seed_or_rng) -> Plan:
     return Plan(task, tuple(docs), question, answer)
 
 
+def entries(doc: Doc) -> list[str]:
+    """A dense document's entries in reading order, each as printed: a receipt's item lines then its
+    total, a shelf's tags row by row, a table's rows, a form's fields."""
+    if isinstance(doc, Receipt):
+        return [f"{name} {price}" for name, price in doc.items] + [f"TOTAL {doc.total}"]
+    if isinstance(doc, Shelf):
+        return [f"{name} {price}" for row in doc.rows for name, price in row]
+    if isinstance(doc, Table):
+        return [" ".join((label, *values)) for label, values in doc.rows]
+    if isinstance(doc, Form):
+        return [f"{label} {value}" for label, value in doc.fields]
+    raise ValueError(f"{type(doc).__name__} has no entries")
+
+
+def read_plan(seed_or_rng) -> Plan:
+    """A training-only read-entry example: one dense document among 2..4 images (at least one plain),
+    the question names an entry by its place in the document."""
+    rng = seed_or_rng if isinstance(seed_or_rng, random.Random) else random.Random(seed_or_rng)
+    n = rng.randint(MIN_IMAGES, MAX_IMAGES)
+    docs = [_dense(rng, frozenset()), _photo(rng)]
+    docs += [_dense(rng, frozenset()) if rng.random() < 0.5 else _photo(rng) for _ in range(n - 2)]
+    order = list(range(n))
+    rng.shuffle(order)
+    docs = [docs[o] for o in order]
+    i = order.index(0) + 1
+    lines = entries(docs[i - 1])
+    k = rng.randrange(len(lines))
+    return Plan(READ_TASK, tuple(docs), READ_QUESTION.format(k=k + 1, i=i), lines[k])
+
+
 # ----------------------------------------------------------------------------------- API
 
-def make_example(seed: int) -> Example:
-    """The example for `seed`: facts first, then pixels, from one RNG."""
+def make_example(seed: int, read: bool = False) -> Example:
+    """The example for `seed`: facts first, then pixels, from one RNG. read: the training-only
+    read-entry example of that seed instead."""
     rng = random.Random(seed)
-    p = plan(rng)
+    p = read_plan(rng) if read else plan(rng)
     drawn = [draw(doc, rng) for doc in p.docs]
     return Example(tuple(d.image for d in drawn), tuple(doc.kind for doc in p.docs), p.question, p.answer, p.task,
                    seed, tuple(d.marks for d in drawn))
@@ -300,6 +338,7 @@ def tokenizer_corpus(n: int = 3000) -> list[str]:
              *NUMERIC_FIELDS, *TEXT_FIELDS, "TOTAL", "image", *nd.SHAPES, *nd.COLOURS]
     texts = [" ".join(words)]
     texts += [f"{p.question}\n{p.answer}" for p in plans("train", n)]
+    texts += [f"{p.question}\n{p.answer}" for p in (read_plan(split_seed("train", k)) for k in range(n // 10))]
     return texts + ["user\nassistant\n"]
 
 

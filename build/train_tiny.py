@@ -31,7 +31,7 @@ from transformers.vision_utils import get_vision_position_ids
 
 from zipmoe.build import notes_data
 from zipmoe.build.training import (MergedTokensHead, SplitDataset, answer_exact_match, eval_batches, finish, fit,
-                                   grouped_mm_trains_on, loaders, set_up)
+                                   grouped_mm_trains_on, is_training_only, loaders, set_up)
 from zipmoe.build.training import collate  # noqa: F401  (re-exported: callers collate batches through this module)
 from zipmoe.vision import patchify, pixels_of
 
@@ -56,14 +56,6 @@ SIZES = {
 
 
 TRAIN_TASKS = (*notes_data.TASKS, "describe")
-GOLDEN = 0.6180339887498949  # example k is a describe example when (k * GOLDEN) mod 1 < fraction
-
-
-def is_describe(index: int, fraction: float) -> bool:
-    """Low-discrepancy choice: any run of examples holds close to `fraction` describe examples."""
-    return (index * GOLDEN) % 1.0 < fraction
-
-
 def tokenizer_corpus(n: int = 3000) -> list[str]:
     """The task's own text: every word it can use, and rendered questions and answers."""
     texts = [" ".join(notes_data.vocabulary())]
@@ -86,7 +78,7 @@ class NotesDataset(SplitDataset):
     def __getitem__(self, i: int) -> dict:
         index = self.start + i
         seed = notes_data.split_seed(self.split, index)
-        describe = is_describe(index, self.describe_fraction)
+        describe = is_training_only(index, self.describe_fraction)
         ex = notes_data.make_describe_example(seed) if describe else notes_data.make_example(seed)
         pixels, grids, merged = [], [], []
         for image in ex.images:

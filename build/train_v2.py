@@ -9,7 +9,10 @@ the server builds them, loss on the answer and <|im_end|> plus the router's bala
 examples drawn by seed from the train split by DataLoader workers, a clock-bound run whose
 learning rate follows elapsed time), with what task set v2 needs (`build/train_v2_vision.py`):
 images of many sizes, uint8 pixels from the workers, normalised on the device, and a per-token
-reading head in place of the per-image digit head; validation adds token F1.
+reading head in place of the per-image digit head; validation adds token F1. A share of the
+training examples (`--read`, 0.3) are training-only read-entry questions ("read entry 3 of image
+2."), in the place train_tiny's describe questions have: the first run without them learned to
+read in the tower (its reading head) but not through the decoder.
 
 Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
   text: 256 wide, 6 MoE layers of 64 experts 64 wide, top-8 (Qwen3-30B-A3B's 128 / top-8 ratio
@@ -57,8 +60,8 @@ import torch
 
 from zipmoe.build import taskset_v2 as ts
 from zipmoe.build.tiny_checkpoint import PREPROCESSOR_CONFIG
-from zipmoe.build.training import (SplitDataset, answer_exact_match, eval_batches, finish, fit, loaders, move_batch,
-                                   set_up)
+from zipmoe.build.training import (SplitDataset, answer_exact_match, eval_batches, finish, fit, is_training_only,
+                                   loaders, move_batch, set_up)
 from zipmoe.build.training import collate  # noqa: F401  (re-exported: callers collate batches through this module)
 from zipmoe.build.train_v2_vision import (PACKED_IMAGE_ATTENTION, TokenReadingHead, device_pixels,
                                           grid_cached_vision_inputs, token_readings, uint8_patches)
@@ -82,12 +85,22 @@ SMOKE = dict(size="smoke", steps=2, batch=2, minutes=2.0, device="cpu", workers=
              calibration_prompts=4)
 
 
+TRAIN_TASKS = (*ts.TASKS, ts.READ_TASK)
+
+
 class TaskSetV2Dataset(SplitDataset):
     """Example i of a split as model inputs, the keys `training.collate` takes: ids, labels
-    (answer and <|im_end|> only), mRoPE positions, uint8 pixels, grids, task, per-token readings."""
+    (answer and <|im_end|> only), mRoPE positions, uint8 pixels, grids, task (index in TRAIN_TASKS),
+    per-token readings. read_fraction: that share of the examples are training-only read-entry
+    questions (`taskset_v2.read_plan`), chosen by `training.is_training_only`."""
+
+    def __init__(self, checkpoint: Path, split: str, length: int, start: int = 0, read_fraction: float = 0.0):
+        super().__init__(checkpoint, split, length, start)
+        self.read_fraction = read_fraction
 
     def __getitem__(self, i: int) -> dict:
-        ex = ts.make_example(ts.split_seed(self.split, self.start + i))
+        index = self.start + i
+        ex = ts.make_example(ts.split_seed(self.split, index), read=is_training_only(index, self.read_fraction))
         pixels, grids, merged, readings = [], [], [], []
         for image, marks in zip(ex.images, ex.marks):
             pixels.append(uint8_patches(image, self.patch, self.merge))
@@ -96,7 +109,7 @@ class TaskSetV2Dataset(SplitDataset):
             merged.append((gh // self.merge, gw // self.merge))
             readings.append(token_readings(marks, image.size, self.patch * self.merge))
         return {**self.text_inputs(ex.question, ex.answer, merged), "pixels": torch.cat(pixels),
-                "grids": torch.tensor(grids), "task": ts.TASKS.index(ex.task), "readings": torch.cat(readings)}
+                "grids": torch.tensor(grids), "task": TRAIN_TASKS.index(ex.task), "readings": torch.cat(readings)}
 
 
 def to_device(data: dict, dev: torch.device, temporal: int) -> dict:
@@ -148,7 +161,8 @@ def write_preprocessor_config(out: Path) -> None:
 def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32, minutes: float = 17.0,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
-          experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64) -> dict:
+          experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
+          read_fraction: float = 0.3) -> dict:
     run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
@@ -156,11 +170,11 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
     print(f"{run.out}: {run.params / 1e6:.1f} M parameters ({2 * run.params / 1e6:.1f} MB in bf16), training on {dev}")
 
     # ~21 ms of CPU per example (rendering three large images): the loader needs the machine's cores.
-    train_loader, val_loader = loaders(run, TaskSetV2Dataset(run.out, "train", steps * batch),
-                                       TaskSetV2Dataset(run.out, "validation", val_examples), batch, workers,
+    train_set = TaskSetV2Dataset(run.out, "train", steps * batch, read_fraction=read_fraction)
+    train_loader, val_loader = loaders(run, train_set, TaskSetV2Dataset(run.out, "validation", val_examples), batch, workers,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
-                 "reading_loss": reading_loss, "task_set": "v2"}
+                 "reading_loss": reading_loss, "read_fraction": read_fraction, "task_set": "v2"}
     counted = {"examples": 0, "tokens": 0, "patches": 0}
 
     def count_and_move(data: dict) -> dict:
@@ -205,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="transformers' experts implementation while training (default grouped_mm)")
     p.add_argument("--reading-loss", type=float, default=None,
                    help=f"weight of the per-token reading head (0: off; default {default['reading_loss']})")
+    p.add_argument("--read", dest="read_fraction", type=float, default=None,
+                   help="share of training examples that are read-entry questions (training only; "
+                        f"default {default['read_fraction']})")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)

@@ -145,6 +145,15 @@ def grouped_mm_in_bf16() -> None:
     moe._grouped_mm = grouped_mm_bf16
 
 
+GOLDEN = 0.6180339887498949  # example k is a training-only one when (k * GOLDEN) mod 1 < fraction
+
+
+def is_training_only(index: int, fraction: float) -> bool:
+    """Low-discrepancy choice of a split's training-only examples (train_tiny's describe questions,
+    train_v2's read-entry questions): any run of examples holds close to `fraction` of them."""
+    return (index * GOLDEN) % 1.0 < fraction
+
+
 def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per example: every answer token predicted (teacher forcing) -> bool [B]."""
     pred = logits[:, :-1].argmax(-1)

@@ -119,9 +119,10 @@ class Runner:
         after = scrape_metrics(self.metrics) if self.metrics else {}
         row = {"workload": run.workload, "routing": self.routing, "model": run.model, "mode": run.mode,
                "value": run.value, "requests": run.requests}
-        if rc != 0 or not export.exists():
-            return {**row, **profile_export.summarise([], run.requests),
-                    "export": display_path(export), "note": f"perf_analyzer exit {rc}: {tail(log.read_text())}"}
+        exported = export.exists() and export.stat().st_size > 0  # seen once under load: exit 0, an empty file
+        if rc != 0 or not exported:
+            return {**row, **profile_export.summarise([], run.requests), "export": display_path(export),
+                    "note": f"perf_analyzer exit {rc}{'' if exported else ', no export'}: {tail(log.read_text())}"}
         ((_, _, requests),) = profile_export.experiments(profile_export.load(export))
         effect = routing_effect(before, after) if after else {}
         preempted = after.get("zipmoe_preemptions_total", 0.0) - before.get("zipmoe_preemptions_total", 0.0)

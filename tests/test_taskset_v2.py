@@ -190,6 +190,21 @@ def test_dense_images_carry_more_detail_than_plain(drawn):
     assert np.mean(dense) > 3 * np.mean(plain)
 
 
+def test_read_entry_examples_read_one_printed_entry_by_its_place():
+    """Training-only read-entry examples: 2..4 images, one plain at least; the question names image i
+    and entry k; the answer is that document's k-th entry as printed (every character on the image)."""
+    for seed in range(60):
+        p = ts.read_plan(seed)
+        k, i = map(int, re.fullmatch(r"read entry (\d+) of image (\d+)\.", p.question).groups())
+        assert p.task == ts.READ_TASK and ts.MIN_IMAGES <= len(p.docs) <= ts.MAX_IMAGES
+        assert any(d.kind == "plain" for d in p.docs) and p.docs[i - 1].kind == "dense"
+        assert p.answer == ts.entries(p.docs[i - 1])[k - 1]
+        assert set(p.answer.replace(" ", "")) <= set(_printed(p.docs[i - 1]))
+    ex = ts.make_example(5, read=True)
+    assert (ex.question, ex.answer, ex.task) == (ts.read_plan(5).question, ts.read_plan(5).answer, ts.READ_TASK)
+    assert ts.make_example(5).task in ts.TASKS  # the same seed's test-set example is untouched
+
+
 def test_cli_writes_images_and_jsonl(tmp_path):
     for row, ex in check_cli(ts, "validation", 2, tmp_path):  # notes_data's files, plus each image's tokens
         assert row["tokens"] == [ts.merged_tokens(im.size) for im in ex.images]

@@ -97,7 +97,8 @@ def test_one_grid_vision_shortcuts_match_the_towers_per_image_loops(smoke):
 
 
 def test_describe_examples_are_mixed_in_at_the_asked_share(smoke):
-    from zipmoe.build.train_tiny import TRAIN_TASKS, is_describe
+    from zipmoe.build.train_tiny import TRAIN_TASKS
+    from zipmoe.build.training import is_training_only as is_describe
     share = sum(is_describe(k, 0.3) for k in range(1000)) / 1000
     assert abs(share - 0.3) < 0.01
     assert not any(is_describe(k, 0.0) for k in range(1000))

@@ -83,6 +83,18 @@ def test_positions_match_the_models_own_rope_index(smoke):
     assert torch.equal(batch["position_ids"][:, real], expected[:, real])
 
 
+def test_read_entry_share_is_training_only(smoke):
+    """--read f: that share of the train split's examples are read-entry questions, by index (the
+    same pick for every worker); validation keeps none."""
+    from zipmoe.build.train_v2 import TRAIN_TASKS
+    from zipmoe.build.training import is_training_only
+
+    data = TaskSetV2Dataset(smoke[0], "train", 12, read_fraction=0.3)
+    tasks = [TRAIN_TASKS[data[i]["task"]] for i in range(12)]
+    assert [t == ts.READ_TASK for t in tasks] == [is_training_only(i, 0.3) for i in range(12)]
+    assert ts.READ_TASK not in {TRAIN_TASKS[TaskSetV2Dataset(smoke[0], "validation", 6)[i]["task"]] for i in range(6)}
+
+
 def test_device_pixels_equal_the_servers_pixels():
     image = ts.make_example(1).images[0]
     reference = patchify(pixels_of(image), 16, 2, 2)
