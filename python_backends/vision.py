@@ -1,7 +1,8 @@
 """Vision tower (transformers' own module, our weights) + global-budget VisionZip for N images.
 
 The tower stays transformers' `Qwen3VLMoeVisionModel`, except its attention (`_attention`): one
-batched SDPA per distinct image size per layer instead of transformers' one call per image. The
+batched SDPA per distinct image size per layer instead of transformers' one call per image; and its
+patch embedding, a Conv3d with kernel = stride, runs as the equivalent GEMM (`linear_patch_embed`). The
 attention of layer ℓ also hands over that layer's q and k, from which
 `kernels.attention_importance.patch_importance` (a Triton kernel; its reference off CUDA) gets
 how much attention each patch receives; each image then keeps its own most-attended tokens within
@@ -69,6 +70,20 @@ def attention_groups(lengths: list[int], device: torch.device) -> list[tuple[int
     return groups
 
 
+def linear_patch_embed(patch_embed: torch.nn.Module) -> None:
+    """Run Qwen-VL's patch embedding, a Conv3d whose kernel equals its stride (each output reads
+    exactly one patch), as the one GEMM it is: [patches, C*T*P*P] x [C*T*P*P, D], the patch
+    flattened in the (C, T, P, P) order `patchify` lays it out. The same weights and math, without
+    relying on the convolution library's choice of algorithm for a 3-D convolution on many patches."""
+    weight = patch_embed.proj.weight  # [D, C, T, P, P]
+    flat, bias = weight.reshape(weight.shape[0], -1), patch_embed.proj.bias
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states.reshape(-1, flat.shape[1]).to(flat.dtype), flat, bias)
+
+    patch_embed.forward = forward
+
+
 class VisionEncoder:
     def __init__(self, checkpoint: str | Path, device: torch.device, dtype: torch.dtype, importance_layer: int = -1,
                  budget_weighting: str = "distinct", load_format: str = "auto"):
@@ -88,6 +103,7 @@ class VisionEncoder:
         # Non-persistent buffers (rotary frequencies) were created on meta: rebuild them for real.
         model.rotary_pos_emb = type(model.rotary_pos_emb)(vcfg)
         self.model = model.to(device=device, dtype=dtype).eval()
+        linear_patch_embed(self.model.patch_embed)
         self.device, self.dtype = device, dtype
         self._importance_layer = importance_layer % vcfg.depth
         self._captured: dict[str, torch.Tensor] = {}

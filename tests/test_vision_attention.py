@@ -102,3 +102,16 @@ def test_direct_model_call_matches_stock(encoder, stock):
         ours = encoder.model(pixels, grid_thw=grids, return_dict=True).pooler_output
         want = stock(pixels, grid_thw=grids, return_dict=True).pooler_output
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+
+
+def test_patch_embedding_as_a_gemm_equals_the_conv3d(stock):
+    """linear_patch_embed: the Conv3d with kernel = stride, run as one GEMM over patchify's rows."""
+    import copy
+
+    from zipmoe.vision import linear_patch_embed
+
+    embed = copy.deepcopy(stock.patch_embed)
+    x = torch.randn(37, embed.in_channels * embed.temporal_patch_size * embed.patch_size ** 2)
+    reference = embed(x)
+    linear_patch_embed(embed)
+    torch.testing.assert_close(embed(x), reference, rtol=1e-5, atol=1e-5)
