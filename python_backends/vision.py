@@ -2,7 +2,8 @@
 
 The tower stays transformers' `Qwen3VLMoeVisionModel`, except its attention (`_attention`): one
 batched SDPA per distinct image size per layer instead of transformers' one call per image; and its
-patch embedding, a Conv3d with kernel = stride, runs as the equivalent GEMM (`linear_patch_embed`). The
+patch embedding, a Conv3d with kernel = stride, runs as the equivalent GEMM (`linear_patch_embed`);
+and on CUDA its rotary embedding of q and k is one Triton launch (`kernels.vision_rope`). The
 attention of layer ℓ also hands over that layer's q and k, from which
 `kernels.attention_importance.patch_importance` (a Triton kernel; its reference off CUDA) gets
 how much attention each patch receives; each image then keeps its own most-attended tokens within
@@ -18,10 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3VLMoeConfig
-from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
-    Qwen3VLMoeVisionModel,
-    apply_rotary_pos_emb_vision,
-)
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 from transformers.vision_utils import (
     get_vision_cu_seqlens,
     get_vision_interpolation_indices_and_weights,
@@ -30,6 +28,7 @@ from transformers.vision_utils import (
 
 from .checkpoint import open_weights
 from .kernels.attention_importance import patch_importance, patch_importance_reference
+from .kernels.vision_rope import vision_rope, vision_rope_reference
 from .settings import make_current
 from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, weigh_images
 
@@ -121,7 +120,8 @@ class VisionEncoder:
         rotary, [P, heads, d]) for the importance."""
         n, heads, d = hidden_states.shape[0], attn.num_heads, attn.head_dim
         q, k, v = attn.qkv(hidden_states).reshape(n, 3, heads, d).permute(1, 0, 2, 3).unbind(0)
-        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+        rope = vision_rope if q.is_cuda else vision_rope_reference  # one launch on CUDA, ~16 element-wise ops off it
+        q, k = rope(q, k, *position_embeddings)
         if layer == self._importance_layer:
             self._captured.update(q=q, k=k, cu_seqlens=cu_seqlens, scale=attn.scaling)
         # Outside features() (the model called directly), group from cu_seqlens: one host sync per layer.
