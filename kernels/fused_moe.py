@@ -103,9 +103,14 @@ def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 
 @triton.jit
-def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, tile_start_ptr, S, E, G,
+def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, S, E, G,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, G_PAD: tl.constexpr):
-    # One program: S is at most a few thousand, so quadratic chunked compares beat a multi-kernel sort.
+    # One program: S is at most a few thousand. Two passes over the slots, CHUNK at a time, each a
+    # [CHUNK, E_PAD] one-hot: the first counts the slots per expert, the second places every slot at
+    # its expert's first tile + the slots of that expert before it (this chunk's, by a prefix sum
+    # down the chunk, and earlier chunks', a running count). Linear in S: the earlier version
+    # compared each chunk with every earlier one, S^2 / CHUNK work in a serial loop (138 us at
+    # 128 tokens of top-8 on the H200).
     experts = tl.arange(0, E_PAD)
     lane = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -114,7 +119,7 @@ def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, tile_start_ptr, S, E
         counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, axis=0)
-    tl.store(tile_start_ptr + experts, tile_end - tiles, mask=experts < E)
+    tile_start = tile_end - tiles
     # Tile g belongs to the number of experts whose tiles all end at or before it.
     g = tl.arange(0, G_PAD)
     owner = tl.sum((tile_end[None, :] <= g[:, None]).to(tl.int32), axis=1)
@@ -122,18 +127,16 @@ def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, tile_start_ptr, S, E
     tl.store(tile_expert_ptr + g, owner, mask=g < G)
     for g0 in range(0, G * BLOCK_M, CHUNK):
         tl.store(tile_slots_ptr + g0 + lane, tl.full([CHUNK], 0, tl.int32) + S, mask=g0 + lane < G * BLOCK_M)
-    tl.debug_barrier()  # tile starts and padding are visible to every thread before the scatter
+    tl.debug_barrier()  # the padding is written by every thread before any slot lands on it
+    running = tl.zeros([E_PAD], dtype=tl.int32)  # slots of each expert in earlier chunks
     for c0 in range(0, S, CHUNK):
         slot = c0 + lane
         e = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
-        # Rank of a slot inside its expert: earlier slots with the same expert.
-        rank = tl.zeros([CHUNK], dtype=tl.int32)
-        for p0 in range(0, c0 + CHUNK, CHUNK):
-            prev = p0 + lane
-            pe = tl.load(ids_ptr + prev, mask=prev < S, other=-2).to(tl.int32)
-            same = (e[:, None] == pe[None, :]) & (prev[None, :] < slot[:, None])
-            rank += tl.sum(same.to(tl.int32), axis=1)
-        start = tl.load(tile_start_ptr + e, mask=slot < S, other=0)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD]; a padded lane is all 0
+        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]  # same-expert slots before each
+        rank = tl.sum(before * onehot, axis=1)
+        start = tl.sum(tile_start[None, :] * onehot, axis=1)
+        running += tl.sum(onehot, axis=0)
         tl.store(tile_slots_ptr + start * BLOCK_M + rank, slot, mask=slot < S)
 
 
@@ -145,8 +148,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     G = num_tiles(S, num_experts, block_m)
     tile_slots = torch.empty(G * block_m, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(G, dtype=torch.int32, device=ids.device)
-    tile_start = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](ids.reshape(-1), tile_slots, tile_expert, tile_start, S, num_experts, G,
+    _align_kernel[(1,)](ids.reshape(-1), tile_slots, tile_expert, S, num_experts, G,
                         BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=64,
                         G_PAD=triton.next_power_of_2(G), num_warps=4)
     return tile_slots, tile_expert

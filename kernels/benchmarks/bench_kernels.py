@@ -7,7 +7,7 @@ Every time is read against the device-copy bandwidth measured in the same run. P
 - moe: one MoE layer (128 experts, top-8, hidden 2048, width 768, bf16) at batch 1..128 on skewed
   router inputs: the fused Triton kernels (in a CUDA graph, as the engine runs them, and eager),
   torch._grouped_mm, and the per-expert loop (the reference). Four copies of the layer rotate so
-  that L2 never holds the next call's weights.
+  that L2 never holds the next call's weights. `moe_align` rows: the align step alone (graphed).
 - sere: the re-route kernel per layer-step vs the reference's device ops (both in a graph).
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/16/64,
@@ -125,6 +125,12 @@ def bench_moe(copies: int = 4) -> list[dict]:
                 continue
             rows.append(row("moe_layer", impl, B, us, nbytes, "topk", union))
             print_row(rows[-1])
+        # The align step alone (what the layer spends before its first GEMM), at the tile height
+        # the layer picked for this batch: its share of the graphed layer time is item 3's measure.
+        block_m = fused_moe.pick_config(B, CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size, 2).block_m
+        us = graph_time_us(lambda: fused_moe.moe_align(ids, CFG.num_experts, block_m), calls=48)
+        rows.append(row("moe_align", "triton_graph", B, us, 0, "topk", union, block_m=block_m))
+        print_row(rows[-1])
     return rows
 
 
