@@ -159,3 +159,29 @@ def test_preempted_sequences_wait_until_they_fit():
     assert sched.num_preemptions == 1 and list(sched.waiting) == [new] and new.block_table == []
     first = next(i for i, b in enumerate(batches) if b == [(old, 1)])
     assert all(b == [(old, 1)] for b in batches[first:])  # from the preemption on: old alone
+
+
+def test_decode_batch_tensors_follow_the_block_tables():
+    """The decode step's host tensors, against their definition: the newest token's cache slot, the
+    tables padded with block 0, positions shifted by each sequence's rope delta."""
+    from zipmoe.engine.runner import ModelRunner
+
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    seqs = []
+    for i, n in enumerate((3, 9, 17)):
+        seq = Sequence(i, list(range(1, n + 1)), greedy(8), opt_out=i == 1)
+        blocks.hold(seq, n + 1)
+        seq.num_cached, seq.output_ids = n, [7 + i]
+        seqs.append(seq)
+    blocks.free(seqs[0])
+    blocks.hold(seqs[0], 4)  # a table rebuilt after a free
+    seqs[0].num_cached = 3
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.blocks = blocks
+    d = runner.decode_batch(seqs)
+    width = max(len(s.block_table) for s in seqs)
+    assert d["block_tables"].tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    assert d["slots"].tolist() == [s.block_table[(len(s) - 1) // 4] * 4 + (len(s) - 1) % 4 for s in seqs]
+    assert d["context_lens"].tolist() == [len(s) for s in seqs] and d["input_ids"].tolist() == [7, 8, 9]
+    assert d["positions"].tolist() == [[len(s) - 1 for s in seqs]] * 3
+    assert d["opt_out"].tolist() == [False, True, False]

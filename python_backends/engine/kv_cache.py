@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -35,11 +36,13 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free:
             raise RuntimeError("out of KV blocks")
-        seq.block_table.extend(self._free.popleft() for _ in range(max(need, 0)))
+        if need > 0:
+            seq.block_table.extend(self._free.popleft() for _ in range(need))
+            seq.table_array = np.asarray(seq.block_table, dtype=np.int32)  # once a block, not once a step
 
     def free(self, seq: Sequence) -> None:
         self._free.extend(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.table_array = [], None
         seq.num_cached = 0
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:

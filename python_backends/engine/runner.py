@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+import numpy as np
 import torch
 
 from .cuda_graphs import DecodeGraphs
@@ -92,17 +93,22 @@ class ModelRunner:
         return torch.cat([prompt, generated.expand(3, -1)], dim=1)
 
     def decode_batch(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        """Host tensors of one decode step; block tables padded with block 0 (never read past a context)."""
-        lens = [len(s) for s in seqs]
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
-        ctx = torch.tensor(lens, dtype=torch.int32)
-        bs = self.blocks.block_size
-        newest = ctx.long() - 1
+        """Host tensors of one decode step; block tables padded with block 0 (never read past a context).
+        Built with numpy from each sequence's int32 table (BlockManager keeps it): a decode step's
+        host work is on the critical path between two graph replays."""
+        B, bs = len(seqs), self.blocks.block_size
+        rows = [table_row(s) for s in seqs]
+        tables = np.zeros((B, max(len(r) for r in rows)), dtype=np.int32)
+        for i, r in enumerate(rows):
+            tables[i, :len(r)] = r
+        ctx = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=B)
+        newest = ctx.astype(np.int64) - 1
+        slots = tables[np.arange(B), newest // bs].astype(np.int64) * bs + newest % bs
+        deltas = np.fromiter((s.rope_delta for s in seqs), dtype=np.int64, count=B)
         return dict(input_ids=torch.tensor([s.last_token for s in seqs]),
-                    positions=torch.tensor([n - 1 + s.rope_delta for s, n in zip(seqs, lens)]).expand(3, -1),
-                    slots=tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs,
-                    block_tables=tables, context_lens=ctx,
+                    positions=torch.from_numpy(newest + deltas).expand(3, -1),
+                    slots=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
+                    context_lens=torch.from_numpy(ctx),
                     opt_out=torch.tensor([s.opt_out for s in seqs], dtype=torch.bool))
 
     def prepare_decode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
@@ -128,6 +134,14 @@ class ModelRunner:
         # Only the real rows count: a graph's bucket pads the batch with copies of row 0.
         self.routing_stats.add_step(out.routing, len(seqs), self.model.cfg.num_experts)
         return list(zip(seqs, sample(out.logits, seqs)))
+
+
+def table_row(seq: Sequence) -> np.ndarray:
+    """The sequence's block table as int32: BlockManager's copy, or made now when the table was
+    filled some other way (tests)."""
+    if seq.table_array is not None and len(seq.table_array) == len(seq.block_table):
+        return seq.table_array
+    return np.asarray(seq.block_table, dtype=np.int32)
 
 
 def is_decode(seq: Sequence, num_tokens: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .multimodal import VisualInputs
@@ -46,6 +47,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
+    table_array: np.ndarray | None = None  # block_table as int32, kept by BlockManager for decode steps
     num_cached: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
     opt_out: bool = False  # keep the router's top-K in decode (routing policies skip this request)
