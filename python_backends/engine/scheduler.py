@@ -40,6 +40,7 @@ class Scheduler:
         """The sequences of this step and how many of each one's tokens it computes."""
         batch: ScheduledBatch = []
         budget = self.max_num_batched_tokens
+        block_size = self.blocks.block_size
         preempted = self.num_preemptions
         for seq in list(self.running):
             if budget == 0:
@@ -47,6 +48,10 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this pass
                 continue
             n = min(len(seq) - seq.num_cached, budget)
+            if n == 1 and seq.num_cached < len(seq.block_table) * block_size:  # a decode token, its block held
+                batch.append((seq, 1))
+                budget -= 1
+                continue
             while not self.blocks.can_hold(seq, seq.num_cached + n):
                 victim = self.running[-1]
                 self._preempt(victim)
