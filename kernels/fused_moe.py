@@ -104,40 +104,41 @@ def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 @triton.jit
 def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, S, E, G,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, G_PAD: tl.constexpr):
-    # One program: S is at most a few thousand. Two passes over the slots, CHUNK at a time, each a
-    # [CHUNK, E_PAD] one-hot: the first counts the slots per expert, the second places every slot at
-    # its expert's first tile + the slots of that expert before it (this chunk's, by a prefix sum
-    # down the chunk, and earlier chunks', a running count). Linear in S: the earlier version
-    # compared each chunk with every earlier one, S^2 / CHUNK work in a serial loop (138 us at
-    # 128 tokens of top-8 on the H200).
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr, T_PAD: tl.constexpr,
+                  G_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr):
+    # One program per expert, each reading the whole slot list (S is at most a few thousand ids, one
+    # vector): a histogram gives every expert's count, hence this expert's first tile; a prefix sum of
+    # "slot is mine" gives each of its slots' rank. No program waits on another, so the step costs one
+    # short pass instead of a serial walk over the slots (a single program over 64-slot chunks took
+    # 35 us at 64 tokens and 65 us at 128 on the H200, 13 % of a batch-64 decode step).
+    e = tl.program_id(0)
+    slot = tl.arange(0, S_PAD)
+    ids = tl.load(ids_ptr + slot, mask=slot < S, other=E).to(tl.int32)  # padding lanes land in bin E
     experts = tl.arange(0, E_PAD)
-    lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, S, CHUNK):
-        e = tl.load(ids_ptr + c0 + lane, mask=c0 + lane < S, other=-1).to(tl.int32)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(experts < E, tl.histogram(ids, E_PAD), 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, axis=0)
-    tile_start = tile_end - tiles
-    # Tile g belongs to the number of experts whose tiles all end at or before it.
-    g = tl.arange(0, G_PAD)
-    owner = tl.sum((tile_end[None, :] <= g[:, None]).to(tl.int32), axis=1)
-    owner = tl.where(owner < E, owner, -1)
-    tl.store(tile_expert_ptr + g, owner, mask=g < G)
-    for g0 in range(0, G * BLOCK_M, CHUNK):
-        tl.store(tile_slots_ptr + g0 + lane, tl.full([CHUNK], 0, tl.int32) + S, mask=g0 + lane < G * BLOCK_M)
-    tl.debug_barrier()  # the padding is written by every thread before any slot lands on it
-    running = tl.zeros([E_PAD], dtype=tl.int32)  # slots of each expert in earlier chunks
-    for c0 in range(0, S, CHUNK):
-        slot = c0 + lane
-        e = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD]; a padded lane is all 0
-        before = tl.cumsum(onehot, axis=0) - onehot + running[None, :]  # same-expert slots before each
-        rank = tl.sum(before * onehot, axis=1)
-        start = tl.sum(tile_start[None, :] * onehot, axis=1)
-        running += tl.sum(onehot, axis=0)
-        tl.store(tile_slots_ptr + start * BLOCK_M + rank, slot, mask=slot < S)
+    mine = experts == e
+    my_tiles = tl.sum(tl.where(mine, tiles, 0))
+    my_count = tl.sum(tl.where(mine, counts, 0))
+    first = tl.sum(tl.where(mine, tile_end, 0)) - my_tiles
+    hit = ids == e
+    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    tl.store(tile_slots_ptr + first * BLOCK_M + rank, slot, mask=hit)
+    lane = tl.arange(0, BLOCK_M)  # only this expert's last tile has padding: its lanes past the count
+    last = (my_tiles - 1) * BLOCK_M + lane
+    tl.store(tile_slots_ptr + first * BLOCK_M + last, tl.full([BLOCK_M], 0, tl.int32) + S,
+             mask=(my_tiles > 0) & (last >= my_count))
+    t = tl.arange(0, T_PAD)
+    tl.store(tile_expert_ptr + first + t, tl.full([T_PAD], 0, tl.int32) + e, mask=t < my_tiles)
+    if e == 0:  # the tiles after the last expert's are unused: expert -1, slots all padding
+        used = tl.sum(tiles)
+        g = used + tl.arange(0, G_PAD)
+        tl.store(tile_expert_ptr + g, tl.full([G_PAD], -1, tl.int32), mask=g < G)
+        chunk = tl.arange(0, PAD_CHUNK)
+        for p0 in range(used * BLOCK_M, G * BLOCK_M, PAD_CHUNK):
+            tl.store(tile_slots_ptr + p0 + chunk, tl.full([PAD_CHUNK], 0, tl.int32) + S,
+                     mask=p0 + chunk < G * BLOCK_M)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,9 +149,10 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     G = num_tiles(S, num_experts, block_m)
     tile_slots = torch.empty(G * block_m, dtype=torch.int32, device=ids.device)
     tile_expert = torch.empty(G, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](ids.reshape(-1), tile_slots, tile_expert, S, num_experts, G,
-                        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=64,
-                        G_PAD=triton.next_power_of_2(G), num_warps=4)
+    _align_kernel[(num_experts,)](ids.reshape(-1), tile_slots, tile_expert, S, num_experts, G,
+                                 BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1),
+                                 S_PAD=triton.next_power_of_2(S), T_PAD=triton.next_power_of_2(triton.cdiv(S, block_m)),
+                                 G_PAD=triton.next_power_of_2(G), PAD_CHUNK=256, num_warps=4)
     return tile_slots, tile_expert
 
 

@@ -1,0 +1,116 @@
+"""Where one captured decode step spends its time, kernel by kernel (issue 15 item 6).
+
+    python -m zipmoe.kernels.benchmarks.profile_decode --out docs/results/decode_profile_h200
+
+Builds the same 48-layer dummy Qwen3-30B-A3B-shaped engine as bench_kernels (CUDA graphs), puts
+`batch` 256-token text sequences into decode, then profiles a few replays of the captured decode
+graph with torch.profiler (CUPTI records each kernel a graph launches). Per batch it reports every
+kernel's time per step, its share of the step's kernel time, its launches per step and per layer,
+and the replay's wall time against the sum of its kernels (the gaps between them).
+Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from zipmoe.engine.sequence import SamplingParams
+
+from .bench_kernels import CFG, build_engine
+from .timing import copy_gbps, cuda_time_us
+
+REPLAYS = 10
+
+
+def short_name(kernel: str) -> str:
+    """cuBLAS/CUTLASS names run to hundreds of characters of template arguments: keep the head."""
+    name = kernel.split("(")[0]
+    return name if len(name) <= 90 else name[:87] + "..."
+
+
+def profile_step(engine, batch: int, prompt: int = 256) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
+                               SamplingParams(max_tokens=64, ignore_eos=True)) for _ in range(batch)]
+    while any(len(s.output_ids) == 0 for s in seqs):  # prefill
+        engine.step()
+    for _ in range(3):
+        engine.step()  # the graph's inputs now hold a real decode batch of this size
+    bucket = next(b for b in engine.runner.graphs.buckets if b >= batch)
+    graph = engine.runner.graphs.graphs[bucket]
+    replay_us = cuda_time_us(graph.replay, warmup=2, reps=10)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    for s in seqs:
+        engine.abort(s)
+    kernels = {}
+    for evt in prof.key_averages():
+        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.device_time_total <= 0:
+            continue
+        k = kernels.setdefault(short_name(evt.key), {"us": 0.0, "calls": 0})
+        k["us"] += evt.device_time_total / REPLAYS
+        k["calls"] += evt.count / REPLAYS
+    total = sum(k["us"] for k in kernels.values())
+    rows = [{"kernel": name, "us_per_step": round(k["us"], 1), "share": round(k["us"] / total, 4) if total else 0.0,
+             "launches_per_step": round(k["calls"], 1), "launches_per_layer": round(k["calls"] / CFG.num_layers, 2)}
+            for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["us"])]
+    launches = sum(k["calls"] for k in kernels.values())
+    return {"batch": batch, "bucket": bucket, "replay_us": round(replay_us, 1), "kernel_us": round(total, 1),
+            "gap_us": round(replay_us - total, 1), "launches_per_step": round(launches, 1),
+            "launches_per_layer": round(launches / CFG.num_layers, 2), "kernels": rows}
+
+
+def print_step(step: dict, top: int = 15) -> None:
+    print(f"\nbatch {step['batch']} (graph bucket {step['bucket']}): replay {step['replay_us']:.0f} us, kernels "
+          f"{step['kernel_us']:.0f} us, gaps {step['gap_us']:.0f} us, {step['launches_per_step']:.0f} launches "
+          f"= {step['launches_per_layer']:.1f} per layer", flush=True)
+    for r in step["kernels"][:top]:
+        print(f"  {r['us_per_step']:8.1f} us {100 * r['share']:5.1f} %  {r['launches_per_layer']:5.2f}/layer  "
+              f"{r['kernel']}", flush=True)
+
+
+def plot(result: dict, out: Path, top: int = 10) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result["steps"]
+    fig, axes = plt.subplots(1, len(steps), figsize=(7 * len(steps), 4.8), squeeze=False)
+    for ax, step in zip(axes[0], steps):
+        rows = step["kernels"][:top][::-1]
+        ax.barh([r["kernel"][:40] for r in rows], [r["us_per_step"] for r in rows])
+        ax.set(xlabel="us per decode step",
+               title=f"batch {step['batch']}: replay {step['replay_us']:.0f} us, "
+                     f"{step['launches_per_layer']:.1f} launches/layer")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle("one captured decode step, 48 layers, Qwen3-30B-A3B shape (dummy weights), H200")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/results/decode_profile_h200")
+    ap.add_argument("--batches", default="1,64")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "steps": []}
+    engine = build_engine()
+    for batch in (int(b) for b in args.batches.split(",")):
+        result["steps"].append(profile_step(engine, batch))
+        print_step(result["steps"][-1])
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
