@@ -5,6 +5,7 @@ rest of the package (and the unit tests) never need it.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import threading
 from pathlib import Path
@@ -19,7 +20,12 @@ from ..settings import parse_parameters
 
 def load_settings(args: dict, model: str) -> tuple:
     """The model's config.pbtxt `parameters`, parsed into the dataclasses that MODEL_SETTINGS[model]
-    names (an unknown or malformed parameter fails the load, naming the known ones)."""
+    names (an unknown or malformed parameter fails the load, naming the known ones).
+
+    Every model's initialize() starts here, so this also arms Python's fault handler in the stub: a
+    crash in native code (a segfault in a library or in the stub) then writes every Python thread's
+    stack to the stub's stderr, which is the server's log; otherwise the stub just vanishes."""
+    faulthandler.enable(all_threads=True)
     cfg = json.loads(args["model_config"])
     params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
     return parse_parameters(params, *MODEL_SETTINGS[model], model=args.get("model_name", model))
