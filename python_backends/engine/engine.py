@@ -12,6 +12,7 @@ from ..checkpoint import TEXT_PREFIX, TextConfig, open_weights
 from ..settings import (check_fields, device_setting, dtype_setting, load_format_setting, make_current,
                         resolve_device_dtype, setting)
 from . import memory
+from .expert_parallel import ExpertShard
 from .kv_cache import BlockManager, KVCache
 from .memory import CPU_KV_BLOCKS, OutOfMemory
 from .model import Qwen3VLMoeTextDecoder
@@ -65,8 +66,9 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, checkpoint: str | Path | None, config: EngineConfig, *, text: TextConfig | None = None,
-                 store=None, policy=None):
-        """Reads the checkpoint; benchmarks may pass the text config, a tensor store and a policy instead."""
+                 store=None, policy=None, shard: ExpertShard | None = None):
+        """Reads the checkpoint; benchmarks may pass the text config, a tensor store and a policy instead.
+        shard: this process's experts under expert parallelism (parallel_engine.py), None: all of them."""
         self.config = config
         self.text = text or TextConfig.from_dir(checkpoint)
         config.validate(self.text)
@@ -81,11 +83,13 @@ class LLMEngine:
         try:
             with store.reading("decoder weights", (TEXT_PREFIX, "lm_head.")):
                 self.model = Qwen3VLMoeTextDecoder(self.text, store, self.dtype, self.device, policy,
-                                                   config.routing_min_batch)
+                                                   config.routing_min_batch, shard)
         except torch.OutOfMemoryError:
             raise OutOfMemory(f"the decoder's weights do not fit in the free GPU memory of {self.device}: "
                               "free it, or lower the other models' share (their instances, max_images)") from None
         num_blocks = config.num_kv_blocks or self._plan_kv_blocks()
+        if shard is not None:  # lockstep schedulers need the same cache size in every process
+            num_blocks = shard.agree_min(num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, num_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, self.dtype, self.device)

@@ -5,6 +5,8 @@ is written into the cache first. A prompt chunk attends causally to its sequence
 so far, read back from the cache by slot; a decode token attends over its blocks in place (paged
 decode attention). Weights are read from the Hugging Face checkpoint by name
 (`model.language_model.*`, `lm_head.weight`), or made up (`load_format: dummy`).
+Under expert parallelism (`expert_parallel.py`) a process holds 1/N of every MoE layer's experts and
+all-reduces the layers' partial outputs; everything else is the same in every process.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
+from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
 from ..kernels.fused_moe import fused_experts, fused_experts_reference
@@ -68,11 +71,17 @@ class StepOutput:
 
 
 class Layer:
-    def __init__(self, idx: int, cfg: TextConfig, store: TensorStore, dtype: torch.dtype, device: torch.device):
+    def __init__(self, idx: int, cfg: TextConfig, store: TensorStore, dtype: torch.dtype, device: torch.device,
+                 shard: ExpertShard | None = None):
         p = f"{TEXT_PREFIX}layers.{idx}."
 
         def w(name: str) -> torch.Tensor:
             return store.get(p + name).to(device=device, dtype=dtype)
+
+        def experts(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            """This process's experts of a fused [E, out, in] tensor (all of them without a shard)."""
+            t = _expert_layout(store.get(p + name), shape)
+            return (t if shard is None else shard.own(t)).to(device=device, dtype=dtype)
 
         self.idx = idx
         self.input_norm = w("input_layernorm.weight")
@@ -87,8 +96,8 @@ class Layer:
         if self.is_moe:
             E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
             self.gate = w("mlp.gate.weight")
-            self.gate_up = _expert_layout(w("mlp.experts.gate_up_proj"), (E, 2 * I, H))
-            self.down = _expert_layout(w("mlp.experts.down_proj"), (E, H, I))
+            self.gate_up = experts("mlp.experts.gate_up_proj", (E, 2 * I, H))
+            self.down = experts("mlp.experts.down_proj", (E, H, I))
         else:
             self.mlp_gate = w("mlp.gate_proj.weight")
             self.mlp_up = w("mlp.up_proj.weight")
@@ -109,8 +118,9 @@ def _expert_layout(t: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
 
 class Qwen3VLMoeTextDecoder:
     def __init__(self, cfg: TextConfig, store: TensorStore, dtype: torch.dtype, device: torch.device,
-                 policy: RoutingPolicy, routing_min_batch: int = 1):
+                 policy: RoutingPolicy, routing_min_batch: int = 1, shard: ExpertShard | None = None):
         self.cfg = cfg
+        self.shard = shard  # expert parallel: this process holds and computes a slice of every MoE layer's experts
         self.dtype = dtype
         self.device = device
         self.policy = policy
@@ -123,7 +133,7 @@ class Qwen3VLMoeTextDecoder:
             self.lm_head = self.embed
         else:
             self.lm_head = store.get("lm_head.weight").to(device=device, dtype=dtype)
-        self.layers = [Layer(i, cfg, store, dtype, device) for i in range(cfg.num_layers)]
+        self.layers = [Layer(i, cfg, store, dtype, device, shard) for i in range(cfg.num_layers)]
         self.rope = MRope(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, device)
         self.scale = cfg.head_dim ** -0.5
         # Called as hook(layer_index, x) with each MoE layer's input [T, hidden] (offline calibration).
@@ -201,7 +211,12 @@ class Qwen3VLMoeTextDecoder:
                 routed, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
             routing.append((ids, routed))
             ids = routed
-        return self.ops.experts(x, ids, weights, layer.gate_up, layer.down)
+        if self.shard is None:
+            return self.ops.experts(x, ids, weights, layer.gate_up, layer.down)
+        # Every process routed the same tokens the same way (the policy saw the global routing); each
+        # computes its own experts' share and the shares are summed across processes.
+        ids, weights = self.shard.localize(ids, weights)
+        return self.shard.reduce(self.ops.experts(x, ids, weights, layer.gate_up, layer.down))
 
     @staticmethod
     def _mlp(layer: Layer, x: torch.Tensor) -> torch.Tensor:
