@@ -8,7 +8,7 @@ import torch
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.expert_parallel import ExpertShard
 from zipmoe.engine.multimodal import VisualInputs
-from zipmoe.engine.parallel_engine import ExpertParallelEngine
+from zipmoe.engine.parallel_engine import ExpertParallelEngine, make_engine
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels.fused_moe import fused_experts_reference
 
@@ -32,9 +32,13 @@ def test_shards_sum_to_the_whole_layer():
         torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-6)
 
 
-def test_shard_refuses_a_size_that_does_not_divide_the_experts():
+def test_a_size_that_does_not_divide_the_experts_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="must divide"):
         ExpertShard(0, 3, 16)
+    with pytest.raises(ValueError, match="must divide the model's 16 experts"):
+        LLMEngine(tiny_checkpoint, _config("cpu", expert_parallel_size=3))
+    with pytest.raises(ValueError, match="make_engine"):
+        LLMEngine(tiny_checkpoint, _config("cpu", expert_parallel_size=2))
 
 
 def _requests(text, n_images: int = 2):
@@ -63,8 +67,9 @@ def _run(engine, requests, abort_index: int = 2, abort_after: int = 3):
     return [list(s.output_ids) for s in seqs]
 
 
-def _config(device: str) -> EngineConfig:
-    return EngineConfig(device=device, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=256)
+def _config(device: str, expert_parallel_size: int = 1) -> EngineConfig:
+    return EngineConfig(device=device, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=256,
+                        expert_parallel_size=expert_parallel_size)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -74,7 +79,8 @@ def test_two_processes_give_one_process_tokens(tiny_checkpoint, device):
     one = LLMEngine(tiny_checkpoint, _config(device))
     expected = _run(one, _requests(one.text))
     del one
-    engine = ExpertParallelEngine(tiny_checkpoint, _config(device), expert_parallel_size=2)
+    engine = make_engine(tiny_checkpoint, _config(device, expert_parallel_size=2))
+    assert isinstance(engine, ExpertParallelEngine)
     try:
         assert engine.model.layers[0].gate_up.shape[0] == engine.text.num_experts // 2  # half the experts here
         got = _run(engine, _requests(engine.text))

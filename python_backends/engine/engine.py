@@ -49,6 +49,9 @@ class EngineConfig:
     truncate_k: int = setting(2, "truncate: experts every token keeps (a baseline)", min=1)
     routing_min_batch: int = setting(1, "decode batches smaller than this keep plain top-K", min=1)
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from per-batch-size CUDA graphs")
+    expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
+                                           "layer's experts; attention and the KV cache are replicated "
+                                           "(engine/parallel_engine.py)", min=1)
 
     def validate(self, text: TextConfig) -> None:
         check_fields(self)
@@ -56,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len {self.max_model_len} > the model's {text.max_position_embeddings}")
         if self.num_kv_blocks and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError("num_kv_blocks * block_size must hold at least one max_model_len sequence")
+        if text.num_experts % self.expert_parallel_size:
+            raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide the model's "
+                             f"{text.num_experts} experts")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence's token, each step)")
 
@@ -72,6 +78,8 @@ class LLMEngine:
         self.config = config
         self.text = text or TextConfig.from_dir(checkpoint)
         config.validate(self.text)
+        if config.expert_parallel_size > 1 and shard is None:
+            raise ValueError("expert_parallel_size > 1: make the engine with parallel_engine.make_engine")
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         make_current(self.device)  # cuda:N: loading, the memory plan and CUDA-graph capture run on this thread
         store = store or open_weights(checkpoint, config.load_format, self.device)
@@ -200,6 +208,9 @@ class LLMEngine:
             elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
         return results
+
+    def close(self) -> None:
+        """Ends what the engine started besides itself: nothing in one process (parallel_engine.py)."""
 
     def finish_stopped(self, seq: Sequence) -> None:
         """Called by the caller's text stream when a stop string appeared."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -39,6 +41,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _python() -> str:
+    """The interpreter the workers start with: this one; inside Triton's Python-backend stub, whose
+    sys.executable is the stub binary, the python3 first on PATH (the one the stub itself embeds)."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or sys.executable
 
 
 def _rank_setup(checkpoint, config: EngineConfig, rank: int, size: int, port: int):
@@ -89,14 +99,22 @@ def _worker(rank: int, size: int, port: int, checkpoint: str, config: EngineConf
         dist.destroy_process_group()
 
 
-class ExpertParallelEngine(LLMEngine):
-    """An LLMEngine over `expert_parallel_size` processes (this one is rank 0). close() ends them."""
+def make_engine(checkpoint: str | Path, config: EngineConfig) -> LLMEngine:
+    """The engine `config` asks for: one process, or `expert_parallel_size` of them."""
+    if config.expert_parallel_size > 1:
+        return ExpertParallelEngine(checkpoint, config)
+    return LLMEngine(checkpoint, config)
 
-    def __init__(self, checkpoint: str | Path, config: EngineConfig, expert_parallel_size: int):
-        if expert_parallel_size < 2:
-            raise ValueError(f"expert_parallel_size must be >= 2 here, got {expert_parallel_size}")
-        checkpoint, size, port = str(checkpoint), expert_parallel_size, _free_port()
+
+class ExpertParallelEngine(LLMEngine):
+    """An LLMEngine over config.expert_parallel_size processes (this one is rank 0). close() ends them."""
+
+    def __init__(self, checkpoint: str | Path, config: EngineConfig):
+        if config.expert_parallel_size < 2:
+            raise ValueError(f"expert_parallel_size must be >= 2 here, got {config.expert_parallel_size}")
+        checkpoint, size, port = str(checkpoint), config.expert_parallel_size, _free_port()
         ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no CUDA state inherited from this one
+        ctx.set_executable(_python())
         self._workers = [ctx.Process(target=_worker, args=(r, size, port, checkpoint, config), daemon=True,
                                      name=f"zipmoe-expert-rank{r}") for r in range(1, size)]
         for w in self._workers:

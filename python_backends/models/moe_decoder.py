@@ -13,7 +13,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..detokenize import TokenBytes
-from ..engine.engine import LLMEngine, RequestError
+from ..engine.engine import RequestError
+from ..engine.parallel_engine import make_engine
 from ..serving.decode_request import DecodeRequest, DecodeResponse, VisualTokens
 from ..serving.decoder import DecoderService
 from ..serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
@@ -80,10 +81,12 @@ class TritonPythonModel:
         checkpoint = resolve_checkpoint(args, location.checkpoint_path)
         # On a KIND_GPU instance, device auto is the GPU Triton gave it: one engine per listed GPU.
         engine_config = replace(engine_config, device=resolve_device(engine_config.device, instance_gpu(args)))
-        engine = LLMEngine(checkpoint, engine_config)
+        engine = make_engine(checkpoint, engine_config)  # expert_parallel_size > 1: N processes, N GPUs
         pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} ({engine_config.load_format}) on {engine.device} "
                                  f"({engine.dtype}), KV cache of {engine.blocks.num_blocks} blocks: "
-                                 f"{engine.kv_capacity_tokens} tokens")
+                                 f"{engine.kv_capacity_tokens} tokens, experts split over "
+                                 f"{engine_config.expert_parallel_size} process(es)")
+        self.engine = engine
         self._metric_families = families = Metrics(pb_utils, "moe_decoder", instance_labels(args))
         self.metrics = {**{k: families.counter(*v) for k, v in COUNTERS.items()},
                         **{k: families.gauge(*v) for k, v in GAUGES.items()}}
@@ -133,4 +136,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        self.engine.close()
         self.level.close()
