@@ -17,6 +17,7 @@ captured again together.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import shutil
 import socket
@@ -59,6 +60,8 @@ def _rank_setup(checkpoint, config: EngineConfig, rank: int, size: int, port: in
         device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)  # NCCL's communicator is made on the current device
         config = dataclasses.replace(config, device=str(device))
+    else:  # N processes computing at once share the cores: more threads than cores spin against each other
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size)
     shard = ExpertShard(rank, size, TextConfig.from_dir(checkpoint).num_experts)
