@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny checkpoint, a v2 smoke checkpoint, a real tritonserver on loopback, and the gpu marker."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,23 @@ def v2_smoke(tmp_path_factory):
     return out, train(out, **SMOKE)
 
 
+@contextmanager
+def tiny_server(checkpoint, tmp_path_factory, name: str, overrides: dict | None = None):
+    """The project's model repository over `checkpoint` on free loopback ports, ready, with its
+    config.pbtxt `overrides` ({model: {parameter: value}}); its log is `server.log` in a fresh folder
+    `name` (server.log_path)."""
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=log,
+                            overrides=overrides, **ports) as s:
+        s.wait_ready(timeout=300)
+        yield s
+
+
 @pytest.fixture(scope="session")
 def zipmoe_server(tiny_checkpoint, tmp_path_factory):
     """The project's model repository served on free loopback ports, shared by the integration tests."""
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log, **ports) as s:
-        s.wait_ready(timeout=300)
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "server") as s:
         yield s
 
 
@@ -60,12 +71,8 @@ def sere_server(tiny_checkpoint, tmp_path_factory):
         load_sere(tiny_checkpoint)
     except (FileNotFoundError, ValueError):  # missing, or left from an earlier build of the checkpoint
         calibrate(tiny_checkpoint)
-    log = tmp_path_factory.mktemp("sere_server") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
     # The tiny checkpoint is random: its experts are nearly equally unlike (similarity ~0.07), so the
     # default threshold 0.5 would move nothing; rho = 0 always moves to the most similar primary.
     overrides = {"moe_decoder": {"routing_policy": "sere", "sere_threshold": "0.0"}}
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log,
-                            overrides=overrides, **ports) as s:
-        s.wait_ready(timeout=300)
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "sere_server", overrides) as s:
         yield s

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from test_images_server import note
-from zipmoe import serve
+from conftest import tiny_server
 from zipmoe.clients.triton_client import grpc_generate
 from zipmoe.serving.shared_level import segment_path, slots
 from zipmoe.supervisor import stub_pids
@@ -29,12 +29,8 @@ COMPLETED = re.compile(r'^zipmoe_requests_completed_total\{([^}]*)\} (\S+)$', re
 
 @pytest.fixture(scope="module")
 def two_decoders(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("two_decoders") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
     overrides = {"moe_decoder": {"instance_group": TWO}, "vision_encoder": {"instance_group": TWO}}
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log,
-                            overrides=overrides, **ports) as s:
-        s.wait_ready(timeout=300)
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "two_decoders", overrides) as s:
         yield s
 
 

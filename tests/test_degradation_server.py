@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from test_images_server import note
-from zipmoe import serve
+from conftest import tiny_server
 from zipmoe.clients.triton_client import grpc_generate
 from zipmoe.serving.load import MAX_LEVEL
 
@@ -23,11 +23,7 @@ SAMPLE = re.compile(r'^(zipmoe_[a-z_]+)\{([^}]*)\} (\S+)$')
 
 @pytest.fixture(scope="module")
 def degrading_server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("degrading_server") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log,
-                            overrides={"moe_decoder": {"ttft_target_ms": "1"}}, **ports) as s:
-        s.wait_ready(timeout=300)
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "degrading_server", {"moe_decoder": {"ttft_target_ms": "1"}}) as s:
         yield s
 
 

@@ -6,23 +6,20 @@ from __future__ import annotations
 import pytest
 
 from test_data_parallel_server import REQUESTS, answer
-from zipmoe import serve
+from conftest import tiny_server
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def expert_parallel_server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("expert_parallel") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log,
-                            overrides={"moe_decoder": {"expert_parallel_size": "2"}}, **ports) as s:
-        s.wait_ready(timeout=300)
-        yield s, log
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "expert_parallel",
+                     {"moe_decoder": {"expert_parallel_size": "2"}}) as s:
+        yield s
 
 
 @pytest.mark.parametrize("model", ["mm_qa", "mm_qa_bls"])
 def test_two_expert_processes_answer_as_one(expert_parallel_server, zipmoe_server, model):
-    server, log = expert_parallel_server
-    assert "experts split over 2 process(es)" in log.read_text()
+    server = expert_parallel_server
+    assert "experts split over 2 process(es)" in server.log_path.read_text()
     assert [answer(server, model, r) for r in REQUESTS] == [answer(zipmoe_server, model, r) for r in REQUESTS]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from conftest import tiny_server
 from zipmoe import serve
 from zipmoe.clients.triton_client import ServerBusy, grpc_generate, http_generate, scrape_metrics
 from zipmoe.openai_frontend.server import OpenAIFrontend
@@ -30,12 +31,8 @@ TOKENS = 6
 
 @pytest.fixture(scope="module")
 def busy_server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("busy_server") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
     overrides = {"moe_decoder": {"max_waiting_requests": "2", "max_num_seqs": "1", "max_tokens_cap": "4000"}}
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log,
-                            overrides=overrides, **ports) as s:
-        s.wait_ready(timeout=300)
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "busy_server", overrides) as s:
         with OpenAIFrontend(s.url_grpc, port=serve.free_port()) as frontend:
             s.openai_url = frontend.url
             yield s

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from zipmoe import serve
+from conftest import tiny_server
 from zipmoe.clients import soak as soak_driver
 from zipmoe.clients import soak_checks, soak_requests
 from zipmoe.clients.server_probe import memory_snapshot
@@ -78,10 +78,7 @@ def test_the_memory_of_a_process_group_is_read():
 def soak_server(tiny_checkpoint, tmp_path_factory):
     """A server of its own: the soak raises the load (which the load-adaptive keep ratio remembers a
     while) and measures its process group's memory."""
-    log = tmp_path_factory.mktemp("soak_server") / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-    with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(tiny_checkpoint), log_path=log, **ports) as s:
-        s.wait_ready(timeout=300)
+    with tiny_server(tiny_checkpoint, tmp_path_factory, "soak_server") as s:
         yield s
 
 
