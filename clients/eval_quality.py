@@ -254,7 +254,9 @@ ROUTING_COUNTERS = ("zipmoe_moe_layer_steps_total", "zipmoe_moe_union_before_tot
 def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """What decode routing did between two scrapes of the server's counters: distinct experts per
     MoE layer-step as the router chose them and as computed (the weights read), and token slots
-    moved to another expert per generated token (all layers). None where nothing was decoded."""
+    moved to another expert per generated token (all layers). None where nothing was decoded. A token
+    decoded in a step that also prefills a prompt is routed top-K and makes no layer-step (runner.py):
+    it counts as a token that moved nothing."""
     d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in ROUTING_COUNTERS}
     steps, tokens = d["zipmoe_moe_layer_steps_total"], d["zipmoe_decode_tokens_total"]
     return {"experts_routed": d["zipmoe_moe_union_before_total"] / steps if steps else None,

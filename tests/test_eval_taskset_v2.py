@@ -26,9 +26,11 @@ def check_v2_schema(result: dict, n: int, keeps: list[float]) -> None:
         assert all(0.0 <= v <= 1.0 for v in row["f1_by_task"].values()) and set(row["f1_by_task"]) <= set(
             taskset_v2.TASKS)
         assert row["failed"] == 0, row["first_error"]
-        # None when nothing was decoded (the smoke checkpoint's first token is <|im_end|>)
+        # None when no decode step ran (the smoke checkpoint's first token is often <|im_end|>). A token
+        # decoded inside a step that also prefills another prompt runs plain top-K: it counts in moved's
+        # denominator but makes no layer-step, so tokens without layer-steps are possible, not the reverse.
         read = row["experts_read_per_layer_step"]
-        assert read == row["experts_read"] and (read is None) == (row["moved_per_token"] is None)
+        assert read == row["experts_read"] and (read is None or row["moved_per_token"] is not None)
         assert read is None or read >= 1
     assert set(result["tokens_kept"]) == {"dense", "plain"}
     assert all(v is not None and v > 0 for v in result["tokens_kept"].values())
