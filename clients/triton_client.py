@@ -88,16 +88,19 @@ def _grpc_response(result, error) -> tuple[dict | None, bool]:
     return outputs, final is not None and final.bool_param
 
 
-def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> Iterator[dict]:
-    """Streams responses over gRPC (bidirectional stream; works for stream=True and False)."""
+def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, outputs: list[str] | None = None,
+                  **inputs) -> Iterator[dict]:
+    """Streams responses over gRPC (bidirectional stream; works for stream=True and False); `outputs`
+    names the outputs to return (None: all of them)."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     finished = False
+    wanted = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
     try:
-        client.async_stream_infer(model, _grpc_tensors(inputs), enable_empty_final_response=True)
+        client.async_stream_infer(model, _grpc_tensors(inputs), outputs=wanted, enable_empty_final_response=True)
         while not finished:
             result, error = results.get(timeout=timeout)
             finished = error is not None  # an error ends the request on the server's side

@@ -37,6 +37,11 @@ TINY_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "tiny"
 # Qwen3-VL-30B-A3B-Instruct's configs and a tokenizer, no weights (build/config_only.py): --load-format dummy.
 REAL_SHAPE_CHECKPOINT = DEFAULT_REPOSITORY.parent / "checkpoints" / "qwen3-vl-30b-a3b"
 NGC_SERVER = Path("/opt/tritonserver/bin/tritonserver")
+# Triton's pool on each GPU for the tensors models hand each other there. The server's 64 MB default holds
+# half of one 30-image request's visual tensors at the 30B shape (keep 1.0: 4 x 7,680 x 2,048 bf16 =
+# 126 MB); past it every response falls back to CUDA IPC (the log's "Failed to allocate memory from CUDA
+# memory pool"). The 30B benchmarks ran with this size.
+CUDA_POOL_BYTES = 1 << 30
 
 
 def _bundled_server() -> Path | None:
@@ -196,6 +201,15 @@ def load_format_overrides(load_format: str | None, overrides: dict[str, dict[str
     return {**overrides, **{m: {"load_format": load_format, **overrides.get(m, {})} for m in LOADING_MODELS}}
 
 
+def cuda_pool_args(extra_args: list[str]) -> list[str]:
+    """--cuda-memory-pool-byte-size for every GPU this process sees, unless the caller set the pool."""
+    if any(arg.startswith("--cuda-memory-pool-byte-size") for arg in extra_args):
+        return []
+    import torch
+
+    return [f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_BYTES}" for gpu in range(torch.cuda.device_count())]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -277,7 +291,7 @@ class TritonServer:
         backends = prepare_backend_dir(server, self._workdir)
         if backends is not None:
             cmd.append(f"--backend-directory={backends}")
-        cmd += self.extra_args
+        cmd += cuda_pool_args(self.extra_args) + self.extra_args
         log = open(self.log_path, "ab") if self.log_path is not None else None
         try:
             # Own session: signals typed at our terminal are not delivered to it directly,

@@ -98,3 +98,43 @@ def test_cancelled_stream_stops_the_decoder_and_leaves_the_server_answering(zipm
         assert time.time() < deadline + 60, "KV blocks still held"
         time.sleep(0.2)
     assert streamed(zipmoe_server, "mm_qa_bls", [note(5)])[-1]["output_token_count"] == 12
+
+
+@pytest.mark.parametrize("model", ["mm_qa_bls", "mm_qa"])
+@pytest.mark.parametrize("outputs", [["text_output"], ["finish_reason", "output_token_count"]])
+def test_a_client_naming_some_outputs_gets_those_and_the_server_lives(zipmoe_server, model, outputs):
+    """Server 2.51's stub dropped the unrequested outputs of a decoupled response on a thread without a
+    Python thread state; that could kill the stub (models/stub_safety.py). The decoupled models now
+    build only what was asked for."""
+    full = streamed(zipmoe_server, model, [note(6)])
+    some = list(grpc_generate(zipmoe_server.url_grpc, model=model, outputs=outputs, text_input="What do these notes say?",
+                              images=[note(6)], max_tokens=12, ignore_eos=True, stream=True))
+    assert [set(r) for r in some] == [set(outputs)] * len(full)
+    assert some == [{name: r[name] for name in outputs} for r in full]
+    assert streamed(zipmoe_server, model, [note(6)]) == full
+
+
+def test_moe_decoder_called_directly_sends_only_the_named_outputs(zipmoe_server):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    def decode(outputs):
+        client, results = grpcclient.InferenceServerClient(zipmoe_server.url_grpc), []
+        client.start_stream(callback=lambda result, error: results.append((result, error)))
+        ids = grpcclient.InferInput("input_ids", [3], "INT32")
+        ids.set_data_from_numpy(np.asarray([11, 12, 13], np.int32))
+        count = grpcclient.InferInput("max_tokens", [1], "INT32")
+        count.set_data_from_numpy(np.asarray([4], np.int32))
+        wanted = None if outputs is None else [grpcclient.InferRequestedOutput(n) for n in outputs]
+        client.async_stream_infer("moe_decoder", [ids, count], outputs=wanted)
+        client.stop_stream()  # waits for the (single, final) response
+        client.close()
+        (result, error), = results
+        assert error is None, error
+        return {o.name: result.as_numpy(o.name).tolist() for o in result.get_response().outputs}
+
+    everything = decode(None)
+    assert len(everything) == 7
+    for _ in range(3):  # each send used to free the six dropped tensors off the GIL
+        assert decode(["output_ids"]) == {"output_ids": everything["output_ids"]}
+    assert decode(None) == everything

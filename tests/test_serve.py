@@ -147,6 +147,17 @@ def test_server_env_for_bundled_server(monkeypatch):
     assert env["PYTHONUNBUFFERED"] == "1"
 
 
+def test_cuda_pool_is_set_on_every_gpu_unless_the_caller_set_it(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    gib = serve.CUDA_POOL_BYTES
+    assert serve.cuda_pool_args([]) == [f"--cuda-memory-pool-byte-size=0:{gib}", f"--cuda-memory-pool-byte-size=1:{gib}"]
+    assert serve.cuda_pool_args(["--cuda-memory-pool-byte-size=0:1024"]) == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert serve.cuda_pool_args(["--log-verbose=1"]) == []
+
+
 def test_prepare_backend_dir(tmp_path):
     server = serve._bundled_server()
     backends = serve.prepare_backend_dir(server, tmp_path)

@@ -34,13 +34,15 @@ from ..settings import parse_parameters, settings_of
 from ..visionzip import VisionZipConfig
 from .io import (Metrics, as_torch, as_triton, error_response, get_input, instance_labels, load_settings, scalar,
                  strings)
+from .stub_safety import Keepalive, requested_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENCODER_OUTPUTS = ["visual_embeds", "deepstack_embeds", "image_grids", "visual_tokens_kept", "token_importance",
                    "token_keys"]
 DECODER_OUTPUTS = ["output_ids", "text_range", "input_token_count", "output_token_count", "finish_reason",
                    "visual_tokens_kept", "visual_keep_ratio_used"]
-
+# Finished decoupled BLS iterators, held until the stub's clean-up thread has let go of them (stub_safety).
+FINISHED_CALLS = Keepalive()
 
 
 def bls_request(model: str, inputs: dict, outputs: list[str]):
@@ -73,19 +75,23 @@ class DecoderStream:
 
     def cancel(self) -> None:
         """A control call to moe_decoder naming this request's tag (answered at once, read to its end)."""
-        for _ in bls_request("moe_decoder", {"cancel": np.asarray([self._tag.encode()], np.object_)},
-                             []).exec(decoupled=True):
+        call = bls_request("moe_decoder", {"cancel": np.asarray([self._tag.encode()], np.object_)},
+                           []).exec(decoupled=True)
+        for _ in call:
             pass
+        FINISHED_CALLS.hold(call)
 
     def __iter__(self):
         for response in self._responses:
             check(response)
             if response.output_tensors():  # not the empty final response
                 yield {name: pb_utils.get_output_tensor_by_name(response, name) for name in DECODER_OUTPUTS}
+        FINISHED_CALLS.hold(self._responses)
 
     def drain(self) -> None:
         for _ in self._responses:
             pass
+        FINISHED_CALLS.hold(self._responses)
 
 
 class BlsCalls:
@@ -120,12 +126,13 @@ class BlsCalls:
 
 
 class Sink:
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self, sender, wanted: frozenset[str]):
+        self.sender, self.wanted = sender, wanted
 
     def send(self, outputs: dict) -> None:
+        """Only the outputs the client asked for: the stub must drop none (stub_safety)."""
         self.sender.send(pb_utils.InferenceResponse([t if isinstance(t, pb_utils.Tensor) else as_triton(pb_utils, n, t)
-                                                     for n, t in outputs.items()]))
+                                                     for n, t in outputs.items() if n in self.wanted]))
 
     def close(self, error: str | None, busy: bool = False) -> None:
         self.sender.send(None if error is None else error_response(pb_utils, error, busy), flags=FINAL)
@@ -165,7 +172,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = Sink(request.get_response_sender())
+            sink = Sink(request.get_response_sender(), requested_outputs(request))
             try:
                 ratio = scalar(pb_utils, request, "visual_keep_ratio", None, float)
                 given = {name: get_input(pb_utils, request, name) for name in DECODER_OPTIONS}

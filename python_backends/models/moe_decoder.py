@@ -24,29 +24,32 @@ from ..serving.shared_level import LevelWriter, segment_path
 from ..settings import resolve_device
 from .io import (Metrics, as_torch, error_response, get_input, instance_gpu, instance_labels, load_settings,
                  read_options, resolve_checkpoint, scalar)
+from .stub_safety import requested_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class Sink:
-    """One request's response sender, as the service's ResponseSink."""
+    """One request's response sender, as the service's ResponseSink. It builds only the outputs the
+    request asked for: the stub must drop none (stub_safety)."""
 
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self, sender, wanted: frozenset[str]):
+        self.sender, self.wanted = sender, wanted
 
     def send(self, response: DecodeResponse | None, final: bool) -> None:
         flags = FINAL if final else 0
         if response is None:
             self.sender.send(None, flags=flags)
             return
-        out = [
-            pb_utils.Tensor("output_ids", response.output_ids),
-            pb_utils.Tensor("text_range", np.asarray(response.text_range, dtype=np.int32)),
-            pb_utils.Tensor("input_token_count", np.asarray([response.input_token_count], dtype=np.int32)),
-            pb_utils.Tensor("output_token_count", np.asarray([response.output_token_count], dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.asarray([response.finish_reason.encode()], dtype=np.object_)),
-            pb_utils.Tensor("visual_tokens_kept", response.visual_tokens_kept),
-            pb_utils.Tensor("visual_keep_ratio_used", np.asarray([response.visual_keep_ratio_used], dtype=np.float32)),
-        ]
+        arrays = {
+            "output_ids": response.output_ids,
+            "text_range": np.asarray(response.text_range, dtype=np.int32),
+            "input_token_count": np.asarray([response.input_token_count], dtype=np.int32),
+            "output_token_count": np.asarray([response.output_token_count], dtype=np.int32),
+            "finish_reason": np.asarray([response.finish_reason.encode()], dtype=np.object_),
+            "visual_tokens_kept": response.visual_tokens_kept,
+            "visual_keep_ratio_used": np.asarray([response.visual_keep_ratio_used], dtype=np.float32),
+        }
+        out = [pb_utils.Tensor(name, value) for name, value in arrays.items() if name in self.wanted]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=flags)
 
     def send_error(self, message: str, busy: bool = False) -> None:
@@ -109,7 +112,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = Sink(request.get_response_sender())
+            sink = Sink(request.get_response_sender(), requested_outputs(request))
             try:
                 cancel = scalar(pb_utils, request, "cancel", None, str)
                 if cancel is not None:  # a control call: stop the request tagged so, answer this one at once
