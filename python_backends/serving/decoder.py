@@ -7,15 +7,16 @@ never in the middle of a batched step. So is overload (`ServerBusy`): at most `m
 wait for admission, each holding its visual tokens in this model's memory, and one not admitted
 within `max_queue_delay_ms` is answered busy (it has produced nothing yet). The engine thread
 admits queued requests between steps (so they join the running batch at the next step), drops
-cancelled ones (their KV blocks freed before the next step), runs one step, and answers each
-sequence through its sink: one `DecodeResponse` per token when streaming, one at the end
-otherwise. Each response carries a window of token ids and the byte range of it that is new text
+cancelled ones (their KV blocks freed before the next step), runs one step, and hands each
+sequence's answer to the `ResponseWriter`, whose threads send it through the request's sink while
+the next step runs: one `DecodeResponse` per token when streaming, one at the end otherwise. Each response carries a window of token ids and the byte range of it that is new text
 (`detokenize.TextStream`), which postprocess turns into a UTF-8-safe text delta. Once per metrics
 period the engine thread also samples the load (`serving.load`) and hands the degradation level to
 `on_level` when it changes (the adapter shares it with the models that choose the keep ratio).
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
 from .errors import SHUTTING_DOWN, internal_error, server_busy
 from .load import DegradationConfig, DegradationController, Load, RecentTTFT
+from .response_writer import CANCELLED, ResponseWriter
 
 METRICS_PERIOD_S = 0.1
 
@@ -43,6 +45,8 @@ class DecoderConfig:
     max_waiting_requests: int = setting(256, "requests submitted and not yet admitted to the engine; more are "
                                              "refused busy (0: no bound)", min=0)
     max_queue_delay_ms: int = setting(0, "a request not admitted after this long is refused busy (0: off)", min=0)
+    response_threads: int = setting(4, "threads that send the responses (and poll for cancellations) while the "
+                                       "engine runs its next step", min=1)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Pending:
     tokens_kept: np.ndarray
     tokens_before: int  # the images' merged visual tokens before VisionZip
     opt_out: bool  # the client sent sere=false: this request keeps its top-K experts
+    key: int  # the request's identity for the ResponseWriter
     tag: str = ""
     keep_ratio: float = 1.0
     seq: Sequence | None = None  # set when the engine thread admits the request
@@ -97,6 +102,8 @@ class DecoderService:
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "requests_rejected_busy", "ttft_us",
                                      "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
                                      "visual_tokens_kept"), 0)
+        self._keys = itertools.count()
+        self._writer = ResponseWriter(config.response_threads)
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
         self._thread.start()
 
@@ -112,7 +119,7 @@ class DecoderService:
         opt_out = not request.options.get("sere", True)
         self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
                                 TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, before,
-                                opt_out, request.tag, request.keep_ratio))
+                                opt_out, next(self._keys), request.tag, request.keep_ratio))
 
     def _join_waiting(self) -> None:
         limit = self.config.max_waiting_requests
@@ -153,11 +160,9 @@ class DecoderService:
             if isinstance(item, Pending):
                 pending.append(item)
         for p in pending:
-            try:
-                p.sink.send_error(message)
-            except Exception:  # the client is gone already
-                pass
+            self._send_error(p, message)
         self._live.clear()
+        self._writer.close()  # after everything above is delivered
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -241,6 +246,7 @@ class DecoderService:
             p.seq.arrival = p.arrival  # time to first token counts from submit()
             self._live[p.seq.seq_id] = p
             self._unadmitted[p.seq.seq_id] = p
+            self._writer.watch(p.key, p.sink)
 
     def _note_admitted(self) -> None:
         """Discounts the requests the step admitted. A preempted sequence waits again but is not counted:
@@ -271,13 +277,19 @@ class DecoderService:
             self._send_error(p, str(busy), busy=True)
 
     def _drop_cancelled(self):
+        """Stops the requests whose client cancelled, that a cancel(tag) named, or whose client went away
+        (a send failed): the writer threads report the first and the last."""
+        stopped = self._writer.take_stopped()
         for p in list(self._live.values()):
-            if p.sink.is_cancelled() or p.tag in self._cancel_tags:
-                self._cancel_tags.discard(p.tag)
-                self.engine.abort(p.seq)
-                self._forget(p)
+            why = stopped.get(p.key)
+            if why is None and p.tag not in self._cancel_tags:
+                continue
+            self._cancel_tags.discard(p.tag)
+            self.engine.abort(p.seq)
+            self._forget(p)
+            if why is None or why == CANCELLED:
                 self.counts["requests_cancelled"] += 1
-                self._send(p, None, final=True)
+            self._send(p, None, final=True)  # for a client gone, the writer drops it
 
     def _reply(self, p: Pending, token: int) -> tuple[Pending, DecodeResponse, bool] | None:
         """The response a new token calls for (None when not streaming and not finished); a finished
@@ -321,15 +333,7 @@ class DecoderService:
         self._send_error(p, message)
 
     def _send_error(self, p: Pending, message: str, busy: bool = False):
-        try:
-            p.sink.send_error(message, busy=busy)
-        except Exception:  # the client is gone
-            pass
+        self._writer.send_error(p.key, p.sink, message, busy)
 
     def _send(self, p: Pending, response: DecodeResponse | None, final: bool):
-        try:
-            p.sink.send(response, final)
-        except Exception:  # the client went away between the check and the send
-            if not p.seq.finished:
-                self.engine.abort(p.seq)
-                self._forget(p)
+        self._writer.send(p.key, p.sink, response, final)

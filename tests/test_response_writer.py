@@ -1,0 +1,98 @@
+"""serving.response_writer.ResponseWriter: responses delivered in order per request off the caller's
+thread, a cancelled client and a failed send reported to the engine thread, everything delivered at
+close; and DecoderService's engine running ahead of a client that has not taken its responses yet."""
+from __future__ import annotations
+
+import threading
+import time
+
+from zipmoe.serving.decode_request import DecodeRequest
+from zipmoe.serving.response_writer import CANCELLED, GONE, ResponseWriter
+
+from test_decoder_service import PROMPT, Sink, make_service
+
+
+class FailingSink(Sink):
+    def send(self, response, final):
+        raise RuntimeError("the client went away")
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_each_keys_responses_arrive_in_order_and_close_delivers_everything():
+    writer = ResponseWriter(threads=3)
+    sinks = [Sink() for _ in range(5)]
+    for i in range(200):
+        for key, sink in enumerate(sinks):
+            writer.send(key, sink, (key, i), final=i == 199)
+    writer.close()
+    for key, sink in enumerate(sinks):
+        assert sink.responses == [(key, i) for i in range(200)] and sink.finals == 1
+
+
+def test_a_cancelled_client_is_reported_once_and_no_longer_polled():
+    writer = ResponseWriter(threads=2, poll_s=0.001)
+    sink, other = Sink(cancel_after=0), Sink()
+    writer.watch(7, sink)
+    writer.watch(8, other)
+    stopped = {}
+    wait_for(lambda: stopped.update(writer.take_stopped()) or 7 in stopped)
+    time.sleep(0.01)
+    assert stopped == {7: CANCELLED} and writer.take_stopped() == {}
+    writer.close()
+
+
+def test_a_failed_send_reports_gone_and_drops_the_rest_of_that_request():
+    writer = ResponseWriter(threads=1)
+    failing, fine = FailingSink(), Sink()
+    writer.send(1, failing, "a", final=False)
+    writer.send(1, failing, "b", final=False)
+    writer.send(2, fine, "c", final=True)
+    writer.send_error(1, failing, "late error")  # dropped too: its client is gone
+    writer.close()
+    assert writer.take_stopped() == {1: GONE}
+    assert failing.errors == [] and fine.responses == ["c"]
+
+
+class HeldSink(Sink):
+    """A client that takes no response until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def send(self, response, final):
+        self.release.wait(60)
+        super().send(response, final)
+
+
+def test_the_engine_runs_ahead_of_a_client_that_has_not_taken_its_responses(tiny_checkpoint):
+    service = make_service(tiny_checkpoint)
+    try:
+        held, other = HeldSink(), Sink()
+        service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 12, "ignore_eos": True}), held)
+        service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 12, "ignore_eos": True}), other)
+        wait_for(lambda: service.counts["requests_completed"] == 2)  # every token made, none sent to `held`
+        assert held.responses == [] and not held.done.is_set()
+        held.release.set()
+        assert held.done.wait(60) and other.done.wait(60)
+        assert [r.output_token_count for r in held.responses] == list(range(1, 13))
+        assert [r.output_ids.tolist() for r in held.responses] == [r.output_ids.tolist() for r in other.responses]
+    finally:
+        service.shutdown()
+
+
+def test_a_client_gone_mid_stream_is_stopped_without_counting_a_cancel(tiny_checkpoint):
+    service = make_service(tiny_checkpoint)
+    try:
+        service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 240, "ignore_eos": True}), FailingSink())
+        blocks = service.engine.blocks
+        wait_for(lambda: not service.engine.has_work and blocks.num_free == blocks.num_blocks)
+        assert service.counts["requests_cancelled"] == 0 and service.counts["requests_completed"] == 0
+    finally:
+        service.shutdown()
