@@ -1,19 +1,28 @@
 """serving.response_writer.ResponseWriter: responses delivered in order per request off the caller's
 thread, a cancelled client and a failed send reported to the engine thread, everything delivered at
-close; and DecoderService's engine running ahead of a client that has not taken its responses yet."""
+close and after it; and DecoderService's engine running ahead of a client that has not taken its
+responses yet, and answering whatever its metrics do."""
 from __future__ import annotations
 
 import threading
 import time
 
+from zipmoe.detokenize import TokenBytes
+from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.serving.decode_request import DecodeRequest
+from zipmoe.serving.decoder import DecoderService
 from zipmoe.serving.response_writer import CANCELLED, GONE, ResponseWriter
 
 from test_decoder_service import PROMPT, Sink, make_service
 
 
 class FailingSink(Sink):
+    def __init__(self):
+        super().__init__()
+        self.tried = threading.Event()
+
     def send(self, response, final):
+        self.tried.set()
         raise RuntimeError("the client went away")
 
 
@@ -45,6 +54,15 @@ def test_a_cancelled_client_is_reported_once_and_no_longer_polled():
     time.sleep(0.01)
     assert stopped == {7: CANCELLED} and writer.take_stopped() == {}
     writer.close()
+
+
+def test_what_is_handed_over_after_close_is_still_delivered():
+    writer = ResponseWriter(threads=2)
+    writer.close()
+    sink = Sink()
+    writer.watch(3, sink)
+    writer.send(3, sink, "late", final=True)
+    assert sink.responses == ["late"] and sink.finals == 1
 
 
 def test_a_failed_send_reports_gone_and_drops_the_rest_of_that_request():
@@ -90,9 +108,29 @@ def test_the_engine_runs_ahead_of_a_client_that_has_not_taken_its_responses(tiny
 def test_a_client_gone_mid_stream_is_stopped_without_counting_a_cancel(tiny_checkpoint):
     service = make_service(tiny_checkpoint)
     try:
-        service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 240, "ignore_eos": True}), FailingSink())
+        sink = FailingSink()
+        service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 240, "ignore_eos": True}), sink)
+        assert sink.tried.wait(60)  # the engine runs it and a send failed
         blocks = service.engine.blocks
         wait_for(lambda: not service.engine.has_work and blocks.num_free == blocks.num_blocks)
         assert service.counts["requests_cancelled"] == 0 and service.counts["requests_completed"] == 0
+    finally:
+        service.shutdown()
+
+
+def test_a_metrics_failure_does_not_cost_a_client_its_final_response(tiny_checkpoint):
+    def broken(*_):
+        raise RuntimeError("metrics endpoint gone")
+
+    engine = LLMEngine(tiny_checkpoint, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=256,
+                                                     max_num_batched_tokens=512))
+    errors = []
+    service = DecoderService(engine, TokenBytes.from_tokenizer_json(tiny_checkpoint), publish=broken, observe=broken,
+                             log_error=errors.append)
+    try:
+        sink = Sink()
+        service.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 4, "ignore_eos": True}), sink)
+        assert sink.done.wait(60) and sink.finals == 1 and len(sink.responses) == 4
+        assert errors and all("metrics endpoint gone" in e for e in errors)
     finally:
         service.shutdown()

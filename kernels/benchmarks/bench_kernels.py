@@ -214,7 +214,7 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
         engine.set_routing_policy(policy)
         for B in DECODE_BATCHES:
             seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
-                                       SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for _ in range(B)]
+                                       SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for _ in range(B)]
             while any(len(s.output_ids) == 0 for s in seqs):  # prefill
                 engine.step()
             for _ in range(3):
@@ -228,11 +228,22 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 times.append((time.perf_counter() - t0) * 1e6)
             after = engine.routing_stats.snapshot()
             union = (after["union_after"] - before["union_after"]) / (after["layer_steps"] - before["layer_steps"])
+            # Async scheduling: steps pipelined, each launched before the last one's tokens are read
+            # back; per step, the wall time of `steps` of them (one more is in flight at the end).
+            engine.set_async_scheduling(True)
+            engine.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            async_us = (time.perf_counter() - t0) * 1e6 / steps
+            engine.set_async_scheduling(False)
             bucket = next(b for b in engine.runner.graphs.buckets if b >= B)
             replay_us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=2, reps=10)
             context = prompt + 3 + steps
             nbytes = decoder_bytes(CFG, union, B, context)
-            for impl, us in (("engine_step", statistics.median(times)), ("graph_replay", replay_us)):
+            for impl, us in (("engine_step", statistics.median(times)), ("engine_step_async", async_us),
+                             ("graph_replay", replay_us)):
                 rows.append(row("decode_step", impl, B, us, nbytes, name, union, context=context,
                                 weight_read_us=round(nbytes / gbps_copy / 1e3, 1)))
                 print_row(rows[-1])

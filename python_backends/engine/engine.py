@@ -1,9 +1,19 @@
-"""The engine: validated requests in; each step, the next token of every sequence whose prompt is in the cache."""
+"""The engine: validated requests in; each step, the next token of every sequence whose prompt is in the cache.
+
+With `async_scheduling` a run of pure decode steps of greedy sequences is pipelined, as vLLM V1's
+async scheduling and SGLang's overlap scheduler do it: step N+1 is scheduled and launched, its input
+tokens taken from step N's result on the device, before step N's tokens are read back. So the host's
+work between two steps (scheduling, the step's tensors, the caller's handling of the tokens) runs
+while the GPU computes, and `step()` returns each step's tokens one call later. A sequence that ends
+at step N (EOS, a stop string, a cancel) has already been given step N+1: that token is dropped. A step
+that admits a request, carries a prompt chunk, needs a block it would have to preempt for, samples,
+or would go past a sequence's limits waits for the step before it, so those run as without it.
+"""
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,7 +28,7 @@ from .memory import CPU_KV_BLOCKS, OutOfMemory
 from .model import Qwen3VLMoeTextDecoder
 from .routing import POLICIES, make_policy
 from .multimodal import VisualInputs
-from .runner import ModelRunner
+from .runner import ModelRunner, is_decode
 from .sampler import make_generator
 from .scheduler import Scheduler
 from .sequence import FinishReason, SamplingParams, Sequence
@@ -49,6 +59,8 @@ class EngineConfig:
     truncate_k: int = setting(2, "truncate: experts every token keeps (a baseline)", min=1)
     routing_min_batch: int = setting(1, "decode batches smaller than this keep plain top-K", min=1)
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from per-batch-size CUDA graphs")
+    async_scheduling: bool = setting(False, "pipeline pure decode steps of greedy sequences: the next step is "
+                                            "launched before this one's tokens are read back (engine.py)")
     expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
                                            "layer's experts; attention and the KV cache are replicated "
                                            "(engine/parallel_engine.py)", min=1)
@@ -64,6 +76,15 @@ class EngineConfig:
                              f"{text.num_experts} experts")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running sequence's token, each step)")
+
+
+@dataclass
+class InFlight:
+    """A launched decode step whose tokens are not read back yet (async scheduling)."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [B] on the device: the next step's input ids
+    host: torch.Tensor  # [B] their copy on the host, queued after the step
+    copied: torch.cuda.Event | None = field(default=None)  # recorded after that copy (CUDA)
 
 
 class RequestError(ValueError):
@@ -106,6 +127,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()
+        self._single_process = shard is None  # expert parallel keeps its processes in lockstep on plain steps
+        self._pipelined = config.async_scheduling and self._single_process
+        self._inflight: InFlight | None = None
 
     def _plan_kv_blocks(self) -> int:
         """num_kv_blocks 0: what memory.plan leaves for the cache (CPU: a fixed size)."""
@@ -167,6 +191,10 @@ class LLMEngine:
         if params.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
 
+    def set_async_scheduling(self, on: bool) -> None:
+        """Turns async scheduling on or off (benchmarks); a step in flight is still read back by the next step()."""
+        self._pipelined = on and self._single_process
+
     def set_routing_policy(self, policy) -> None:
         """Swaps the decode routing policy (benchmarks, tests); re-captures the CUDA graphs, which hold it."""
         self.model.policy = policy
@@ -179,25 +207,83 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> list[tuple[Sequence, int]]:
         """One step (scheduler.py): returns (sequence, new token) for each sequence that produced one
-        (a sequence in the middle of its prompt produces none).
+        (a sequence in the middle of its prompt produces none); with async scheduling, the tokens of
+        the step launched by the call before.
 
         Sequences that finished in this step have `finished` set and their blocks already freed.
         """
+        if self._inflight is not None:
+            return self._step_behind()
         batch = self.scheduler.schedule()
         if not batch:
+            return []
+        if self._pipelined and all(n == 1 and is_decode(seq, n) and seq.params.greedy for seq, n in batch):
+            self._launch([seq for seq, _ in batch], None)
             return []
         results = self.runner.run(batch)
         for seq, n in batch:
             seq.num_cached += n
             if seq.visual is not None and seq.num_cached >= len(seq.prompt_ids):
                 seq.visual.offload()
+        return self._commit(results)
+
+    def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> None:
+        tokens = self.runner.launch_greedy_decode(seqs, input_ids)
+        for seq in seqs:
+            seq.num_cached += 1
+            seq.pending += 1
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._inflight = InFlight(seqs, tokens, host, copied)
+        else:
+            self._inflight = InFlight(seqs, tokens, tokens)
+
+    def _step_behind(self) -> list[tuple[Sequence, int]]:
+        """Launches the next decode step where it can follow the one in flight, then reads that one back."""
+        prev, self._inflight = self._inflight, None
+        live = [seq for seq in prev.seqs if not seq.finished]
+        if self._can_follow(live):
+            batch = self.scheduler.schedule()
+            if [seq for seq, _ in batch] != live:  # _can_follow mirrors the scheduler: a bug if not
+                raise RuntimeError("async scheduling: the next decode batch differs from the one in flight")
+            index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
+            ids = prev.tokens if len(index) == len(prev.seqs) else prev.tokens[torch.tensor(index, device=prev.tokens.device)]
+            self._launch(live, ids)
+        if prev.copied is not None:
+            prev.copied.synchronize()
+        tokens = prev.host.tolist()
+        results = []
+        for seq, token in zip(prev.seqs, tokens):
+            seq.pending -= 1
+            if not seq.finished:  # ended after this step was launched: its token is dropped
+                results.append((seq, token))
+        return self._commit(results)
+
+    def _can_follow(self, live: list[Sequence]) -> bool:
+        """The next step would be exactly `live`, each decoding its pending token: nobody waits for
+        admission or is mid-prompt, nobody would be preempted, every token is wanted and fits."""
+        sched = self.scheduler
+        if not self._pipelined or not live or sched.waiting or len(sched.running) != len(live):
+            return False
+        bs, new_blocks = self.blocks.block_size, 0
+        for seq in live:
+            produced = len(seq.output_ids) + seq.pending
+            if produced >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
+                return False
+            new_blocks += seq.num_cached >= len(seq.block_table) * bs
+        return new_blocks <= self.blocks.num_free
+
+    def _commit(self, results: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Appends each new token and ends the sequences it ends."""
         now = time.monotonic()
         for seq, tok in results:
             seq.output_ids.append(tok)
@@ -205,7 +291,7 @@ class LLMEngine:
                 seq.first_token_time = now
             if tok in self.eos and not seq.params.ignore_eos:
                 self.scheduler.finish(seq, FinishReason.EOS)
-            elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
+            elif len(seq.output_ids) >= seq.params.max_tokens or len(seq) - seq.pending >= self.config.max_model_len:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
         return results
 

@@ -125,7 +125,19 @@ class ModelRunner:
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
             return list(zip(sampling, sample(self.model.forward(ids, step, self.kv, rows).logits, sampling)))
         seqs = [seq for seq, _ in batch]
+        return list(zip(seqs, sample(self._decode(seqs, self.decode_batch(seqs)), seqs)))
+
+    def launch_greedy_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
+        """A decode step of greedy sequences whose next tokens stay on the device ([B], queued, not
+        waited for). input_ids: the step's tokens where they are still on the device (the previous
+        step's result, async scheduling); None: each sequence's last token."""
         tensors = self.decode_batch(seqs)
+        if input_ids is not None:
+            tensors["input_ids"] = input_ids
+        return self._decode(seqs, tensors).argmax(dim=-1)
+
+    def _decode(self, seqs: list[Sequence], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             out = self.graphs.run(**tensors)
         else:
@@ -133,7 +145,7 @@ class ModelRunner:
             out = self.model.forward(ids, step, self.kv, rows)
         # Only the real rows count: a graph's bucket pads the batch with copies of row 0.
         self.routing_stats.add_step(out.routing, len(seqs), self.model.cfg.num_experts)
-        return list(zip(seqs, sample(out.logits, seqs)))
+        return out.logits
 
 
 def table_row(seq: Sequence) -> np.ndarray:

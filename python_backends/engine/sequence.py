@@ -49,6 +49,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     table_array: np.ndarray | None = None  # block_table as int32, kept by BlockManager for decode steps
     num_cached: int = 0  # tokens whose K/V are in the cache
+    pending: int = 0  # tokens sampled on the device and not yet read back (async scheduling, engine.py)
     generator: torch.Generator | None = None
     opt_out: bool = False  # keep the router's top-K in decode (routing policies skip this request)
     visual: VisualInputs | None = None  # spliced image tokens (kept until the end: preemption recomputes)
@@ -65,7 +66,8 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens so far, a pending one included: what the scheduler and the step's positions count."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def rope_delta(self) -> int:

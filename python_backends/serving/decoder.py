@@ -191,7 +191,10 @@ class DecoderService:
                 replies.append(reply)
         # Publish once, before the last responses go out: a client that has its last response then
         # finds its work in the metrics (one publish per step, however many requests end in it).
-        self._maybe_publish(force=any(final for _, _, final in replies))
+        try:
+            self._maybe_publish(force=any(final for _, _, final in replies))
+        except Exception as e:  # the metrics must never cost a client its answer
+            self._log_error(f"moe_decoder metrics: {e!r}")
         for p, response, final in replies:
             self._send(p, response, final)
 
@@ -320,12 +323,16 @@ class DecoderService:
         c["decode_tokens"] += gaps
         c["visual_tokens"] += p.tokens_before
         c["visual_tokens_kept"] += int(p.tokens_kept.sum())
-        if self._observe is not None:
+        if self._observe is None:
+            return
+        try:  # the request is out of the live set already: a failure here must not lose its final response
             self._observe("ttft_s", ttft_s)
             if gaps:
                 self._observe("itl_s", decode_s / gaps)
             if p.tokens_kept.size:
                 self._observe("keep_ratio", p.keep_ratio)
+        except Exception as e:
+            self._log_error(f"moe_decoder metrics: {e!r}")
 
     def _fail(self, p: Pending, message: str):
         self.engine.abort(p.seq)

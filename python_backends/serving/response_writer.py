@@ -74,11 +74,11 @@ class _Writer:
             if item is _STOP:
                 return
             if item is not None:
-                self._deliver(item)
+                self.deliver(item)
             if time.monotonic() - self._polled_at >= self._poll_s:
                 self._poll()
 
-    def _deliver(self, item):
+    def deliver(self, item):
         if isinstance(item, _Watch):
             self._watched[item.key] = item.sink
             return
@@ -118,10 +118,15 @@ class ResponseWriter:
     def __init__(self, threads: int = 4, poll_s: float = CANCEL_POLL_S):
         self._stopped: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self._writers = [_Writer(f"zipmoe-responses-{i}", poll_s, self._report) for i in range(threads)]
 
-    def _queue(self, key: int) -> queue.SimpleQueue:
-        return self._writers[key % len(self._writers)].queue
+    def _put(self, key: int, item) -> None:
+        writer = self._writers[key % len(self._writers)]
+        if self._closed:  # after close() (a step that outlived shutdown): deliver here, nothing is lost
+            writer.deliver(item)
+        else:
+            writer.queue.put(item)
 
     def _report(self, key: int, why: str) -> None:
         with self._lock:
@@ -129,14 +134,15 @@ class ResponseWriter:
 
     def watch(self, key: int, sink: ResponseSink) -> None:
         """Polls the request's is_cancelled from now until its final response is delivered."""
-        self._queue(key).put(_Watch(key, sink))
+        if not self._closed:
+            self._put(key, _Watch(key, sink))
 
     def send(self, key: int, sink: ResponseSink, response: DecodeResponse | None, final: bool) -> None:
-        self._queue(key).put(_Response(key, sink, response, final))
+        self._put(key, _Response(key, sink, response, final))
 
     def send_error(self, key: int, sink: ResponseSink, message: str, busy: bool = False) -> None:
         """The request's final response: an error (busy: ServerBusy)."""
-        self._queue(key).put(_Error(key, sink, message, busy))
+        self._put(key, _Error(key, sink, message, busy))
 
     def take_stopped(self) -> dict[int, str]:
         """Keys reported since the last call: CANCELLED (the client cancelled) or GONE (a send failed)."""
@@ -145,8 +151,13 @@ class ResponseWriter:
         return stopped
 
     def close(self, timeout: float = 10) -> None:
-        """Delivers everything handed over so far, then stops the threads."""
+        """Delivers everything handed over so far, then stops the threads (waiting at most `timeout`
+        for all of them); what is handed over later is delivered on the caller's thread."""
+        if self._closed:
+            return
+        self._closed = True
         for writer in self._writers:
             writer.queue.put(_STOP)
+        deadline = time.monotonic() + timeout
         for writer in self._writers:
-            writer.thread.join(timeout)
+            writer.thread.join(max(0.0, deadline - time.monotonic()))

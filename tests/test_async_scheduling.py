@@ -1,0 +1,107 @@
+"""Async scheduling (EngineConfig.async_scheduling): pure decode steps of greedy sequences pipelined,
+the next launched before this one's tokens are read back. The caller sees the same tokens and
+endings as without it, however requests arrive, stop, are cancelled or get preempted; on CUDA with
+CUDA graphs as well (gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipmoe.detokenize import TokenBytes
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.sequence import SamplingParams
+from zipmoe.serving.decode_request import DecodeRequest
+from zipmoe.serving.decoder import DecoderService
+
+from test_decoder_service import PROMPT, Sink
+
+PROMPTS = {name: list(range(7 + 3 * i, 30 + 4 * i)) for i, name in enumerate(
+    ["long", "short", "stops", "cancelled", "sampled", "trigger", "late", "eos"])}
+
+
+def engine(checkpoint, pipelined: bool, device="cpu", **cfg) -> LLMEngine:
+    base = dict(device=device, num_kv_blocks=64, block_size=16, max_model_len=256, max_num_batched_tokens=512,
+                async_scheduling=pipelined)
+    return LLMEngine(checkpoint, EngineConfig(**{**base, **cfg}))
+
+
+def serve(eng: LLMEngine, with_sampled: bool = True) -> dict[str, tuple[list[int], str]]:
+    """A caller that acts on the tokens it gets back: a stop string after 5 tokens, a cancel after 7,
+    a request that arrives once another has 6 tokens."""
+    params = {"long": SamplingParams(max_tokens=40, ignore_eos=True), "short": SamplingParams(max_tokens=3, ignore_eos=True),
+              "stops": SamplingParams(max_tokens=30, ignore_eos=True),
+              "cancelled": SamplingParams(max_tokens=30, ignore_eos=True),
+              "sampled": SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+              "trigger": SamplingParams(max_tokens=20, ignore_eos=True),
+              "late": SamplingParams(max_tokens=15, ignore_eos=True), "eos": SamplingParams(max_tokens=60)}
+    first = [n for n in params if n != "late" and (with_sampled or n != "sampled")]
+    seqs = {name: eng.add_request(PROMPTS[name], params[name]) for name in first}
+    names = {id(seq): name for name, seq in seqs.items()}
+    while eng.has_work:
+        for seq, _ in eng.step():
+            name, n = names[id(seq)], len(seq.output_ids)
+            if name == "stops" and n == 5:
+                eng.finish_stopped(seq)
+            elif name == "cancelled" and n == 7:
+                eng.abort(seq)
+            elif name == "trigger" and n == 6:
+                seqs["late"] = eng.add_request(PROMPTS["late"], params["late"])
+                names[id(seqs["late"])] = "late"
+    assert eng.blocks.num_free == eng.blocks.num_blocks and all(s.pending == 0 for s in seqs.values())
+    return {name: (seq.output_ids, seq.finish_reason.value) for name, seq in seqs.items()}
+
+
+def test_pipelined_steps_give_the_callers_tokens_and_endings(tiny_checkpoint):
+    eos = serve(engine(tiny_checkpoint, False))["eos"][0][9]  # a token the random model emits: EOS from here on
+    runs = []
+    for pipelined in (False, True):
+        eng = engine(tiny_checkpoint, pipelined)
+        eng.eos = {eos}
+        runs.append(serve(eng))
+    plain, piped = runs
+    assert piped == plain
+    assert [len(plain[n][0]) for n in ("long", "short", "stops", "cancelled", "late")] == [40, 3, 5, 7, 15]
+    assert plain["eos"][1] == "eos" and len(plain["eos"][0]) <= 10
+
+
+def test_pipelined_steps_survive_preemption(tiny_checkpoint):
+    tight = dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=128)
+    plain_engine, piped_engine = engine(tiny_checkpoint, False, **tight), engine(tiny_checkpoint, True, **tight)
+    plain = serve(plain_engine, with_sampled=False)
+    assert serve(piped_engine, with_sampled=False) == plain
+    assert piped_engine.scheduler.num_preemptions > 0
+
+
+def test_a_decode_step_is_in_flight_when_the_previous_tokens_come_back(tiny_checkpoint):
+    eng = engine(tiny_checkpoint, True)
+    seqs = [eng.add_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)) for _ in range(2)]
+    assert [len(eng.step()) for _ in range(3)] == [2, 0, 2]  # prefill; decode launched; its tokens
+    assert all(len(s.output_ids) == 2 and s.pending == 1 for s in seqs)  # the third is being computed
+    while eng.has_work:
+        eng.step()
+    assert all(len(s.output_ids) == 6 and s.pending == 0 for s in seqs)
+
+
+def test_the_decoder_service_streams_alike_with_async_scheduling(tiny_checkpoint):
+    def stream(pipelined):
+        svc = DecoderService(engine(tiny_checkpoint, pipelined), TokenBytes.from_tokenizer_json(tiny_checkpoint))
+        try:
+            sinks = [Sink(), Sink(cancel_after=4)]
+            for sink, n in zip(sinks, (24, 200)):
+                svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": n, "ignore_eos": True}), sink)
+            assert all(sink.done.wait(60) for sink in sinks)
+            blocks = svc.engine.blocks
+            assert blocks.num_free == blocks.num_blocks and svc.counts["requests_cancelled"] == 1
+            return [r.output_ids.tolist() for r in sinks[0].responses], sinks[0].text(svc.token_bytes)
+        finally:
+            svc.shutdown()
+
+    assert stream(True) == stream(False)
+
+
+@pytest.mark.gpu
+def test_pipelined_cuda_graph_steps_give_the_same_tokens(tiny_checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plain = serve(engine(tiny_checkpoint, False, device="cuda", dtype="float32"))
+    assert serve(engine(tiny_checkpoint, True, device="cuda", dtype="float32")) == plain
