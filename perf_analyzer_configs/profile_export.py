@@ -12,8 +12,8 @@ outputs, decoded). Conventions are bench_serving's, so the two benchmarks' numbe
                      last response)
 
 A token response is one whose `output_token_count` goes up by one from the response before (the
-server streams one response per token). That drops mm_qa_bls's trailing empty final response,
-which perf_analyzer 2.51 records with uninitialised outputs. A request is complete when its last
+server streams one response per token). That drops an empty final response (a cancelled
+mm_qa_bls request ends with one), which perf_analyzer 2.51 records with uninitialised outputs. A request is complete when its last
 token response carries a finish_reason and, with ignore_eos, exactly max_tokens tokens; every
 other request counts as an error. Percentiles are numpy's (linear), as in bench_serving.
 """

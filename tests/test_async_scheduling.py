@@ -1,4 +1,4 @@
-"""Async scheduling (EngineConfig.async_scheduling): pure decode steps of greedy sequences pipelined,
+"""Async scheduling (EngineConfig.async_scheduling): pure decode steps pipelined (sampled ones too),
 the next launched before this one's tokens are read back. The caller sees the same tokens and
 endings as without it, however requests arrive, stop, are cancelled or get preempted; on CUDA with
 CUDA graphs as well (gpu)."""
@@ -31,7 +31,7 @@ def serve(eng: LLMEngine, with_sampled: bool = True) -> dict[str, tuple[list[int
     params = {"long": SamplingParams(max_tokens=40, ignore_eos=True), "short": SamplingParams(max_tokens=3, ignore_eos=True),
               "stops": SamplingParams(max_tokens=30, ignore_eos=True),
               "cancelled": SamplingParams(max_tokens=30, ignore_eos=True),
-              "sampled": SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+              "sampled": SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
               "trigger": SamplingParams(max_tokens=20, ignore_eos=True),
               "late": SamplingParams(max_tokens=15, ignore_eos=True), "eos": SamplingParams(max_tokens=60)}
     first = [n for n in params if n != "late" and (with_sampled or n != "sampled")]
@@ -74,7 +74,8 @@ def test_pipelined_steps_survive_preemption(tiny_checkpoint):
 
 def test_a_decode_step_is_in_flight_when_the_previous_tokens_come_back(tiny_checkpoint):
     eng = engine(tiny_checkpoint, True)
-    seqs = [eng.add_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)) for _ in range(2)]
+    seqs = [eng.add_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)),
+            eng.add_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.7, seed=3))]
     assert [len(eng.step()) for _ in range(3)] == [2, 0, 2]  # prefill; decode launched; its tokens
     assert all(len(s.output_ids) == 2 and s.pending == 1 for s in seqs)  # the third is being computed
     while eng.has_work:

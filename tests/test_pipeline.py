@@ -81,15 +81,23 @@ class Calls:
     def detokenize(self, outputs):
         return f"t{outputs['output_ids'][0]}"
 
+    def is_last(self, outputs):
+        return bool(outputs["finish_reason"])
+
 
 class Sink:
     def __init__(self, cancel_after: int | None = None):
         self.sent, self.error, self.busy, self.cancel_after = [], None, False, cancel_after
         self.closed = threading.Event()
         self.drained_before_close = None
+        self.final_with_last = False
 
-    def send(self, outputs):
+    def send(self, outputs, final=False):
+        assert not self.closed.is_set(), "a response after the final one"
         self.sent.append(outputs)
+        if final:
+            self.final_with_last = True
+            self.closed.set()
 
     def close(self, error, busy=False):
         self.error, self.busy = error, busy
@@ -116,7 +124,7 @@ def test_relays_every_decoder_response_with_its_text_then_closes():
     calls = Calls(responses=3)
     sink = ask(pipeline(calls), images=[b"a", b"b"], max_tokens=np.array([7], np.int32))
     assert [s["text_output"] for s in sink.sent] == ["t0", "t1", "t2"] and sink.error is None
-    assert sink.sent[-1]["finish_reason"] == "length"
+    assert sink.sent[-1]["finish_reason"] == "length" and sink.final_with_last  # no empty final response
     inputs = calls.decoded[0]
     assert inputs["max_tokens"].tolist() == [7] and inputs["input_ids"].tolist() == [0, 1, 2, 3, 4]
     assert inputs["visual_tokens_kept"].sum() == 8  # keep 0.5 of 2 x 8 tokens, one budget for both

@@ -1,13 +1,15 @@
 """The engine: validated requests in; each step, the next token of every sequence whose prompt is in the cache.
 
-With `async_scheduling` a run of pure decode steps of greedy sequences is pipelined, as vLLM V1's
+With `async_scheduling` a run of pure decode steps is pipelined, as vLLM V1's
 async scheduling and SGLang's overlap scheduler do it: step N+1 is scheduled and launched, its input
 tokens taken from step N's result on the device, before step N's tokens are read back. So the host's
 work between two steps (scheduling, the step's tensors, the caller's handling of the tokens) runs
 while the GPU computes, and `step()` returns each step's tokens one call later. A sequence that ends
 at step N (EOS, a stop string, a cancel) has already been given step N+1: that token is dropped. A step
-that admits a request, carries a prompt chunk, needs a block it would have to preempt for, samples,
-or would go past a sequence's limits waits for the step before it, so those run as without it.
+that admits a request, carries a prompt chunk, needs a block it would have to preempt for, or would
+go past a sequence's limits waits for the step before it, so those run as without it. Tokens are
+sampled on the device (sampler.py), greedy or from each request's own generator, so a sampled
+request draws the same tokens either way.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class EngineConfig:
     truncate_k: int = setting(2, "truncate: experts every token keeps (a baseline)", min=1)
     routing_min_batch: int = setting(1, "decode batches smaller than this keep plain top-K", min=1)
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from per-batch-size CUDA graphs")
-    async_scheduling: bool = setting(False, "pipeline pure decode steps of greedy sequences: the next step is "
+    async_scheduling: bool = setting(False, "pipeline pure decode steps: the next step is "
                                             "launched before this one's tokens are read back (engine.py)")
     expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
                                            "layer's experts; attention and the KV cache are replicated "
@@ -224,7 +226,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        if self._pipelined and all(n == 1 and is_decode(seq, n) and seq.params.greedy for seq, n in batch):
+        if self._pipelined and all(n == 1 and is_decode(seq, n) for seq, n in batch):
             self._launch([seq for seq, _ in batch], None)
             return []
         results = self.runner.run(batch)
@@ -235,7 +237,7 @@ class LLMEngine:
         return self._commit(results)
 
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> None:
-        tokens = self.runner.launch_greedy_decode(seqs, input_ids)
+        tokens = self.runner.launch_decode(seqs, input_ids)
         for seq in seqs:
             seq.num_cached += 1
             seq.pending += 1

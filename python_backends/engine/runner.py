@@ -123,18 +123,18 @@ class ModelRunner:
         if not all(is_decode(seq, n) for seq, n in batch):
             ids, step, rows = self.prepare_mixed(batch)
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
-            return list(zip(sampling, sample(self.model.forward(ids, step, self.kv, rows).logits, sampling)))
+            return list(zip(sampling, sample(self.model.forward(ids, step, self.kv, rows).logits, sampling).tolist()))
         seqs = [seq for seq, _ in batch]
-        return list(zip(seqs, sample(self._decode(seqs, self.decode_batch(seqs)), seqs)))
+        return list(zip(seqs, self.launch_decode(seqs, None).tolist()))
 
-    def launch_greedy_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
-        """A decode step of greedy sequences whose next tokens stay on the device ([B], queued, not
-        waited for). input_ids: the step's tokens where they are still on the device (the previous
-        step's result, async scheduling); None: each sequence's last token."""
+    def launch_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
+        """A decode step whose next tokens stay on the device ([B], queued, not waited for).
+        input_ids: the step's tokens where they are still on the device (the previous step's result,
+        async scheduling); None: each sequence's last token."""
         tensors = self.decode_batch(seqs)
         if input_ids is not None:
             tensors["input_ids"] = input_ids
-        return self._decode(seqs, tensors).argmax(dim=-1)
+        return sample(self._decode(seqs, tensors), seqs)
 
     def _decode(self, seqs: list[Sequence], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]."""

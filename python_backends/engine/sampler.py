@@ -1,4 +1,4 @@
-"""Per-request sampling: greedy, or temperature -> top-k -> top-p with a per-request seeded generator."""
+"""Per-request sampling on the device: greedy, or temperature -> top-k -> top-p with a per-request seeded generator."""
 from __future__ import annotations
 
 import torch
@@ -6,9 +6,13 @@ import torch
 from .sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [B, vocab] float32, one row per sequence -> next token ids."""
-    out = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [B, vocab] float32, one row per sequence -> next token ids [B] on the logits' device.
+
+    Nothing is read back to the host, so a step can be followed by the next before its tokens are
+    known (async scheduling, engine.py); each sampled row draws from its own sequence's generator.
+    """
+    out = logits.argmax(dim=-1)
     for i, seq in enumerate(seqs):
         p = seq.params
         if p.greedy:
@@ -24,7 +28,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+        out[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
     return out
 
 

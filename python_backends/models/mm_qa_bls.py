@@ -10,8 +10,10 @@ BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
   `thread-pool-size`, default 32) until its first response; client responses are sent through
   the same pool. More concurrent requests than that wait for a free thread, they do not fail.
 - `exec(decoupled=True)` returns an iterator; the Python InferenceResponse does not say whether
-  it is the last one, so the client gets each relayed response without flags and then a
-  FINAL-only response (as the ensemble does).
+  it is the last one. The decoder's last response is the one with a finish_reason: the client gets
+  it with the final flag once the decoder's stream has ended, as through the ensemble, and no empty
+  final response (perf_analyzer 2.51 recorded one with garbage outputs and at times wrote an empty
+  profile export). A cancelled or failed request still ends with a FINAL-only response.
 - There is no way to cancel an in-flight BLS request (`ResponseIterator.cancel()` arrived in
   r25.04), and the client's cancellation does not reach the inner moe_decoder request (nor does it
   through the mm_qa ensemble); the pipeline reads the decoder to its end (serving/pipeline.py).
@@ -120,6 +122,10 @@ class BlsCalls:
         return DecoderStream(bls_request("moe_decoder", inputs, DECODER_OUTPUTS).exec(decoupled=True), tag)
 
     @staticmethod
+    def is_last(outputs: dict) -> bool:
+        return bool(outputs["finish_reason"].as_numpy().reshape(-1)[0])
+
+    @staticmethod
     def detokenize(outputs: dict):
         window = {name: outputs[name] for name in ("output_ids", "text_range")}
         return infer("postprocess", window, ["text_output"])["text_output"]
@@ -129,10 +135,11 @@ class Sink:
     def __init__(self, sender, wanted: frozenset[str]):
         self.sender, self.wanted = sender, wanted
 
-    def send(self, outputs: dict) -> None:
+    def send(self, outputs: dict, final: bool = False) -> None:
         """Only the outputs the client asked for: the stub must drop none (stub_safety)."""
         self.sender.send(pb_utils.InferenceResponse([t if isinstance(t, pb_utils.Tensor) else as_triton(pb_utils, n, t)
-                                                     for n, t in outputs.items() if n in self.wanted]))
+                                                     for n, t in outputs.items() if n in self.wanted]),
+                         flags=FINAL if final else 0)
 
     def close(self, error: str | None, busy: bool = False) -> None:
         self.sender.send(None if error is None else error_response(pb_utils, error, busy), flags=FINAL)

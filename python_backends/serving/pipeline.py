@@ -82,10 +82,11 @@ class ModelCalls(Protocol):
     def encode_images(self, images: list[bytes]) -> list[ImageFeatures]: ...  # image_decode -> vision_encoder
     def decode(self, inputs: dict) -> DecoderStream: ...  # moe_decoder
     def detokenize(self, outputs: dict) -> object: ...  # postprocess: a response's window -> text_output
+    def is_last(self, outputs: dict) -> bool: ...  # the decoder's response that ends the answer (a finish_reason)
 
 
 class ClientSink(Protocol):
-    def send(self, outputs: dict) -> None: ...  # one response, not the last
+    def send(self, outputs: dict, final: bool = False) -> None: ...  # one response; final: the last one
     def close(self, error: str | None, busy: bool = False) -> None: ...  # the final flag, and the error if any
     def is_cancelled(self) -> bool: ...
 
@@ -221,9 +222,9 @@ class QAPipeline:
     def _serve(self, request: QARequest, sink: ClientSink) -> None:
         with self._waiting_lock:
             self._waiting -= 1
-        error, busy = None, False
+        error, busy, last = None, False, None
         try:
-            self._answer(request, sink)
+            last = self._answer(request, sink)
         except ServerBusy as e:  # moe_decoder's: passed on as it came
             error, busy = str(e), True
         except ModelError as e:
@@ -231,9 +232,14 @@ class QAPipeline:
         except Exception as e:  # a bug must not leave the client waiting
             self._log_error(f"mm_qa_bls: request failed: {e!r}")
             error = internal_error("mm_qa_bls", e)
-        sink.close(error, busy)
+        if error is None and last is not None:
+            sink.send(last, final=True)  # as mm_qa: no empty final response (perf_analyzer 2.51 mis-records one)
+        else:
+            sink.close(error, busy)
 
-    def _answer(self, request: QARequest, sink: ClientSink) -> None:
+    def _answer(self, request: QARequest, sink: ClientSink) -> dict | None:
+        """Relays the answer; returns its last response, for the caller to send with the final flag once
+        the decoder's stream has ended (None: cancelled, or the decoder ended without one)."""
         decoder_in = {"input_ids": self.calls.tokenize(request.question, request.images), **request.decoder_inputs}
         features = self._features(request.images) if request.images else []
         # The level is read after the vision work: the latest moment before the decoder takes the request.
@@ -245,19 +251,24 @@ class QAPipeline:
             vz = self.visionzip
             decoder_in.update(decoder_inputs(compress(features, ratio, vz.context_fraction, vz.min_tokens_per_image)))
         if sink.is_cancelled():
-            return
+            return None
         stream = self.calls.decode(decoder_in)
-        finished = False
+        finished, last = False, None
         try:
             for out in stream:
                 if sink.is_cancelled():
                     stream.cancel()
-                    return
-                sink.send({"text_output": self.calls.detokenize(out), **{name: out[name] for name in RELAYED}})
+                    return None
+                response = {"text_output": self.calls.detokenize(out), **{name: out[name] for name in RELAYED}}
+                if self.calls.is_last(out):
+                    last = response
+                else:
+                    sink.send(response)
             finished = True
         finally:
             if not finished:  # cancelled, or an error: see the module docstring
                 stream.drain()
+        return last
 
     def _features(self, images: list[bytes]) -> list[ImageFeatures]:
         """Each image's features: from the cache, or (the misses, once each, in one call) from the vision tower."""
