@@ -68,7 +68,11 @@ class DecodeGraphs:
         pad = torch.zeros(b, dtype=torch.long)  # padding rows copy row 0 ...
         pad[:B] = torch.arange(B)
         slots = torch.cat([slots, torch.full((b - B,), self.scratch_slot, dtype=slots.dtype)])  # ... but write aside
-        self.input_ids[:b].copy_(input_ids[pad], non_blocking=True)
+        if input_ids.is_cuda:  # the step before's tokens (async scheduling): a host index would wait for it
+            self.input_ids[:B].copy_(input_ids)
+            self.input_ids[B:b].copy_(input_ids[:1].expand(b - B))
+        else:
+            self.input_ids[:b].copy_(input_ids[pad], non_blocking=True)
         self.positions[:, :b].copy_(positions[:, pad], non_blocking=True)
         self.slots[:b].copy_(slots, non_blocking=True)
         self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables[pad], non_blocking=True)

@@ -258,7 +258,9 @@ class LLMEngine:
             if [seq for seq, _ in batch] != live:  # _can_follow mirrors the scheduler: a bug if not
                 raise RuntimeError("async scheduling: the next decode batch differs from the one in flight")
             index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
-            ids = prev.tokens if len(index) == len(prev.seqs) else prev.tokens[torch.tensor(index, device=prev.tokens.device)]
+            ids = prev.tokens
+            if len(index) < len(prev.seqs):  # a queued copy of the index: a blocking one would wait for prev
+                ids = ids[torch.tensor(index).to(ids.device, non_blocking=True)]
             self._launch(live, ids)
         if prev.copied is not None:
             prev.copied.synchronize()

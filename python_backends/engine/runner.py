@@ -112,7 +112,8 @@ class ModelRunner:
                     opt_out=torch.tensor([s.opt_out for s in seqs], dtype=torch.bool))
 
     def prepare_decode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
-        d = {k: v.to(self.device) for k, v in batch.items()}
+        # Queued copies of fresh host tensors: a blocking copy would wait for a step still in flight.
+        d = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         B = d["input_ids"].shape[0]
         step = StepInputs(positions=d["positions"], slots=d["slots"], is_prefill=False, opt_out=d["opt_out"], block_tables=d["block_tables"], context_lens=d["context_lens"])
         return d["input_ids"], step, torch.arange(B, device=self.device)
