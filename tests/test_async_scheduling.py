@@ -106,3 +106,62 @@ def test_pipelined_cuda_graph_steps_give_the_same_tokens(tiny_checkpoint):
         pytest.skip("needs CUDA")
     plain = serve(engine(tiny_checkpoint, False, device="cuda", dtype="float32"))
     assert serve(engine(tiny_checkpoint, True, device="cuda", dtype="float32")) == plain
+
+
+def count_follow_ups(eng: LLMEngine) -> list[bool]:
+    """Records, for each decode step launched on the step before's tokens, whether a request was waiting."""
+    seen, launch = [], eng.runner.launch_decode
+
+    def counted(seqs, input_ids):
+        if input_ids is not None:
+            seen.append(bool(eng.scheduler.waiting))
+        return launch(seqs, input_ids)
+
+    eng.runner.launch_decode = counted
+    return seen
+
+
+def test_steps_keep_following_while_a_request_waits_for_a_seat(tiny_checkpoint):
+    def run(pipelined):
+        eng = engine(tiny_checkpoint, pipelined, max_num_seqs=2)
+        follow_ups = count_follow_ups(eng)
+        seqs = [eng.add_request(PROMPTS[n], SamplingParams(max_tokens=10 + 5 * i, ignore_eos=True))
+                for i, n in enumerate(("long", "short", "late"))]
+        while eng.has_work:
+            eng.step()
+        return [s.output_ids for s in seqs], follow_ups
+
+    (plain, none), (piped, follow_ups) = run(False), run(True)
+    assert piped == plain and not none
+    assert any(follow_ups) and len(follow_ups) > 10  # pipelined while the third request had no seat
+
+
+def test_a_context_that_reaches_max_model_len_ends_alike(tiny_checkpoint):
+    def run(pipelined):
+        eng = engine(tiny_checkpoint, pipelined, max_model_len=48)
+        seqs = [eng.add_request(PROMPTS[n], SamplingParams(max_tokens=100, ignore_eos=True)) for n in ("long", "stops")]
+        while eng.has_work:
+            eng.step()
+        return [(s.output_ids, s.finish_reason.value, len(s)) for s in seqs]
+
+    plain = run(False)
+    assert run(True) == plain and all(reason == "length" and n == 48 for _, reason, n in plain)
+
+
+def test_turning_it_off_with_a_step_in_flight_then_prefilling(tiny_checkpoint):
+    eng = engine(tiny_checkpoint, True)
+    first = eng.add_request(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    while len(first.output_ids) < 4:
+        eng.step()
+    assert first.pending == 1
+    eng.set_async_scheduling(False)
+    eng.abort(first)
+    later = eng.add_request(PROMPTS["late"], SamplingParams(max_tokens=8, ignore_eos=True))
+    while eng.has_work:
+        eng.step()
+    alone = engine(tiny_checkpoint, False)
+    again = alone.add_request(PROMPTS["late"], SamplingParams(max_tokens=8, ignore_eos=True))
+    while alone.has_work:
+        alone.step()
+    assert later.output_ids == again.output_ids and first.pending == 0 and len(first.output_ids) == 4
+    assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -244,7 +244,7 @@ class LLMEngine:
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(tokens.device))
             self._inflight = InFlight(seqs, tokens, host, copied)
         else:
             self._inflight = InFlight(seqs, tokens, tokens)
@@ -254,14 +254,18 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         live = [seq for seq in prev.seqs if not seq.finished]
         if self._can_follow(live):
-            batch = self.scheduler.schedule()
-            if [seq for seq, _ in batch] != live:  # _can_follow mirrors the scheduler: a bug if not
-                raise RuntimeError("async scheduling: the next decode batch differs from the one in flight")
-            index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
-            ids = prev.tokens
-            if len(index) < len(prev.seqs):  # a queued copy of the index: a blocking one would wait for prev
-                ids = ids[torch.tensor(index).to(ids.device, non_blocking=True)]
-            self._launch(live, ids)
+            try:
+                batch = self.scheduler.schedule()
+                if [seq for seq, _ in batch] != live:  # _can_follow mirrors the scheduler: a bug if not
+                    raise RuntimeError("async scheduling: the next decode batch differs from the one in flight")
+                index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
+                ids = prev.tokens
+                if len(index) < len(prev.seqs):  # a queued copy of the index: a blocking one would wait for prev
+                    ids = ids[torch.tensor(index).to(ids.device, non_blocking=True)]
+                self._launch(live, ids)
+            except BaseException:  # the step in flight is still to be read back by whoever calls next
+                self._inflight = prev
+                raise
         if prev.copied is not None:
             prev.copied.synchronize()
         tokens = prev.host.tolist()
@@ -273,10 +277,11 @@ class LLMEngine:
         return self._commit(results)
 
     def _can_follow(self, live: list[Sequence]) -> bool:
-        """The next step would be exactly `live`, each decoding its pending token: nobody waits for
-        admission or is mid-prompt, nobody would be preempted, every token is wanted and fits."""
+        """The next step would be exactly `live`, each decoding its pending token: nobody is mid-prompt
+        or would be admitted (as Scheduler.schedule admits), nobody would be preempted, every token is
+        wanted and fits."""
         sched = self.scheduler
-        if not self._pipelined or not live or sched.waiting or len(sched.running) != len(live):
+        if not self._pipelined or not live or len(sched.running) != len(live):
             return False
         bs, new_blocks = self.blocks.block_size, 0
         for seq in live:
@@ -284,7 +289,15 @@ class LLMEngine:
             if produced >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
                 return False
             new_blocks += seq.num_cached >= len(seq.block_table) * bs
-        return new_blocks <= self.blocks.num_free
+        free = self.blocks.num_free - new_blocks
+        if free < 0:
+            return False
+        if sched.waiting:  # one that cannot be admitted yet (a full batch, too few blocks) waits either way
+            head = sched.waiting[0]
+            if (sched.max_num_batched_tokens > len(live) and len(sched.running) < sched.max_num_seqs
+                    and self.blocks.blocks_needed(len(head)) - len(head.block_table) <= free):
+                return False
+        return True
 
     def _commit(self, results: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Appends each new token and ends the sequences it ends."""

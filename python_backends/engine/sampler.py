@@ -28,7 +28,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        out[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
+        # A categorical draw as argmax(p / Exp(1)) (multinomial's own method, without its checks,
+        # which read values back to the host and would stall async scheduling).
+        noise = torch.empty_like(probs).exponential_(generator=seq.generator)
+        out[i] = (probs / noise).argmax()
     return out
 
 
