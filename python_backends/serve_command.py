@@ -12,7 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
-from .serve import DEFAULT_REPOSITORY, TritonServer, load_format_overrides, parse_overrides
+from .repository_config import load_format_overrides, parse_overrides
+from .serve import DEFAULT_REPOSITORY, TritonServer
 from .settings import LOAD_FORMATS
 from .supervisor import supervise
 

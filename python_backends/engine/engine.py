@@ -252,13 +252,13 @@ class LLMEngine:
     def _step_behind(self) -> list[tuple[Sequence, int]]:
         """Launches the next decode step where it can follow the one in flight, then reads that one back."""
         prev, self._inflight = self._inflight, None
-        live = [seq for seq in prev.seqs if not seq.finished]
+        index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
+        live = [prev.seqs[i] for i in index]
         if self._can_follow(live):
             try:
                 batch = self.scheduler.schedule()
                 if [seq for seq, _ in batch] != live:  # _can_follow mirrors the scheduler: a bug if not
                     raise RuntimeError("async scheduling: the next decode batch differs from the one in flight")
-                index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
                 ids = prev.tokens
                 if len(index) < len(prev.seqs):  # a queued copy of the index: a blocking one would wait for prev
                     ids = ids[torch.tensor(index).to(ids.device, non_blocking=True)]

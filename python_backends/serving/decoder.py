@@ -283,6 +283,8 @@ class DecoderService:
         """Stops the requests whose client cancelled, that a cancel(tag) named, or whose client went away
         (a send failed): the writer threads report the first and the last."""
         stopped = self._writer.take_stopped()
+        if not stopped and not self._cancel_tags:  # the usual step: nothing to look for
+            return
         for p in list(self._live.values()):
             why = stopped.get(p.key)
             if why is None and p.tag not in self._cancel_tags:
