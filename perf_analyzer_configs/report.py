@@ -5,7 +5,8 @@
 Input: the JSON `python -m perf_analyzer_configs.run --out PREFIX` writes. Besides the table it prints,
 per workload x model x routing with concurrency rows, the most requests/s reached and 65 % of it (the
 seed measures at one rate of about 60-70 % of topk's maximum throughput), and for every rate run
-measured with topk as well, each other routing's TPOT and TTFT p50 against topk's. The PNG: the
+measured with topk as well, each other routing's TPOT and TTFT p50 against topk's (a routing label
+with a variant, "sere async", against "topk async"; see `baseline`). The PNG: the
 latency-throughput curve (TPOT p50 and TTFT p50 against output tokens/s, one point per concurrency)
 and the rate runs' TPOT and TTFT (p50 and p99).
 """
@@ -33,17 +34,26 @@ def suggested_rates(rows: list[dict]) -> dict[str, tuple[float, int, float]]:
     return best
 
 
+def baseline(routing: str) -> str:
+    """The topk run a routing's rate row is read against: a variant label ("sere async", the
+    routing plus the setting that differs) against topk with the same variant ("topk async"); a
+    topk variant against plain topk."""
+    policy, _, variant = routing.partition(" ")
+    return "topk" if policy == "topk" or not variant else f"topk {variant}"
+
+
 def against_topk(rows: list[dict]) -> list[str]:
-    """Each non-topk rate row's TPOT and TTFT p50 as a change from topk's at the same rate."""
-    base = {(r["workload"], r["model"], r["value"]): r for r in rows if r["mode"] == "rate" and r["routing"] == "topk"}
+    """Each non-topk rate row's TPOT and TTFT p50 as a change from its baseline topk's at the same rate."""
+    base = {(r["workload"], r["model"], r["value"], r["routing"]): r for r in rows if r["mode"] == "rate"}
     lines = []
     for r in rows:
-        b = base.get((r["workload"], r["model"], r["value"]))
+        ref = baseline(r["routing"])
+        b = base.get((r["workload"], r["model"], r["value"], ref))
         if r["mode"] != "rate" or r["routing"] == "topk" or b is None:
             continue
         change = {k: (r[k] / b[k] - 1) * 100 if r.get(k) and b.get(k) else None for k in ("tpot_ms_p50", "ttft_ms_p50")}
-        lines.append(f"{label(r)} at {r['value']:g} req/s vs topk: TPOT p50 {fmt(change['tpot_ms_p50'], '+.1f')} %, "
-                     f"TTFT p50 {fmt(change['ttft_ms_p50'], '+.1f')} %, errors {r['errors']} (topk {b['errors']})")
+        lines.append(f"{label(r)} at {r['value']:g} req/s vs {ref}: TPOT p50 {fmt(change['tpot_ms_p50'], '+.1f')} %, "
+                     f"TTFT p50 {fmt(change['ttft_ms_p50'], '+.1f')} %, errors {r['errors']} ({ref} {b['errors']})")
     return lines
 
 
@@ -52,10 +62,10 @@ def table(result: dict) -> str:
              f"inputs {result.get('inputs')}, {result.get('distribution')} arrivals"
              + "".join(f"\n  {routing}: " + ", ".join(f"{m}.{k}={v}" for m, p in overrides.items() for k, v in p.items())
                        for routing, overrides in result.get("overrides", {}).items()),
-             f"{'workload':<10} {'model':<9} {'routing':<7} {'mode':<11} {'value':>6} {'n':>5} {'err':>4} "
+             f"{'workload':<10} {'model':<9} {'routing':<10} {'mode':<11} {'value':>6} {'n':>5} {'err':>4} "
              f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16} {'ITL p99':>8} {'out tok/s':>9} {'req/s':>6} {'experts':>7}"]
     for r in result["rows"]:
-        lines.append(f"{r['workload']:<10} {r['model']:<9} {r['routing']:<7} {r['mode']:<11} {r['value']:>6g} "
+        lines.append(f"{r['workload']:<10} {r['model']:<9} {r['routing']:<10} {r['mode']:<11} {r['value']:>6g} "
                      f"{r['n']:>5} {r['errors']:>4} {fmt(r['ttft_ms_p50']):>8}/{fmt(r['ttft_ms_p99']):<8} "
                      f"{fmt(r['tpot_ms_p50'], '.2f'):>7}/{fmt(r['tpot_ms_p99'], '.2f'):<8} "
                      f"{fmt(r['itl_ms_p99'], '.1f'):>8} {fmt(r['out_tok_s']):>9} {fmt(r.get('req_s'), '.2f'):>6} "
@@ -92,7 +102,7 @@ def plot(result: dict, path: Path) -> bool:
         ax.set(xlabel="output tokens/s", ylabel="ms")
         ax.set_title(f"{title} vs throughput, fixed concurrency", fontsize=10)
     rated = [r for r in result["rows"] if r["mode"] == "rate" and r["n"]]
-    names = [f"{label(r)}\n{r['value']:g} req/s" for r in rated]
+    names = [f"{r['routing']}\n{r['workload']} {r['model']}\n{r['value']:g} req/s" for r in rated]
     for ax, metric, title in ((axes[1][0], "tpot", "TPOT"), (axes[1][1], "ttft", "TTFT")):
         for shift, q in ((-0.2, 50), (0.2, 99)):
             ax.bar([i + shift for i in range(len(rated))], [r[f"{metric}_ms_p{q}"] or 0 for r in rated], width=0.4,

@@ -68,8 +68,9 @@ def _run(engine, requests, abort_index: int = 2, abort_after: int = 3):
 
 
 def _config(device: str, expert_parallel_size: int = 1) -> EngineConfig:
+    # One step at a time in both: expert parallel never pipelines, and _run aborts after a step count.
     return EngineConfig(device=device, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=256,
-                        expert_parallel_size=expert_parallel_size)
+                        expert_parallel_size=expert_parallel_size, async_scheduling=False)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -223,6 +223,20 @@ def test_sere_rows_compare_with_topk_at_the_same_rate(perf_analyzer, zipmoe_serv
     assert "text mm_qa sere at 6 req/s vs topk: TPOT p50" in capsys.readouterr().out
 
 
+def test_a_routing_variant_is_read_against_topk_with_the_same_variant():
+    """"sere async" against "topk async", "topk async" against topk; a row without its baseline is skipped."""
+    row = dict(workload="business", model="mm_qa", mode="rate", value=2.0, errors=0, ttft_ms_p50=100.0)
+    rows = [{**row, "routing": "topk", "tpot_ms_p50": 10.0}, {**row, "routing": "topk async", "tpot_ms_p50": 8.0},
+            {**row, "routing": "sere async", "tpot_ms_p50": 6.0}, {**row, "routing": "oea async", "value": 3.0,
+                                                                   "tpot_ms_p50": 5.0}]
+    assert [report.baseline(r) for r in ("topk", "sere", "topk async", "sere async")] == \
+        ["topk", "topk", "topk", "topk async"]
+    lines = report.against_topk(rows)
+    assert len(lines) == 2
+    assert lines[0].startswith("business mm_qa topk async at 2 req/s vs topk: TPOT p50 -20.0 %")
+    assert lines[1].startswith("business mm_qa sere async at 2 req/s vs topk async: TPOT p50 -25.0 %")
+
+
 @pytest.mark.integration
 def test_a_refused_request_gives_a_row_of_errors(perf_analyzer, zipmoe_server, tmp_path):
     """perf_analyzer stops at the first failed request: the row says so, with the server's reason."""

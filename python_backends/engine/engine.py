@@ -61,7 +61,7 @@ class EngineConfig:
     truncate_k: int = setting(2, "truncate: experts every token keeps (a baseline)", min=1)
     routing_min_batch: int = setting(1, "decode batches smaller than this keep plain top-K", min=1)
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from per-batch-size CUDA graphs")
-    async_scheduling: bool = setting(False, "pipeline pure decode steps: the next step is "
+    async_scheduling: bool = setting(True, "pipeline pure decode steps: the next step is "
                                             "launched before this one's tokens are read back (engine.py)")
     expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
                                            "layer's experts; attention and the KV cache are replicated "
