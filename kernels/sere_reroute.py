@@ -2,9 +2,9 @@
 
 The reference is a handful of small device ops (a primary mask, a masked max over a similarity
 matrix, a where); at 48 layers a step they cost more in launches than in work. The kernel does
-the primary-set union, the most-similar lookup and the protection / threshold test in one
-launch, reads nothing back to the host, and gives bit-identical ids (ties pick the lowest id,
-as torch's max does).
+the primary-set union (a histogram), the most-similar lookup and the protection / threshold test
+in one launch of one program per token. It reads nothing back to the host and gives
+bit-identical ids (ties pick the lowest id, as torch's max does).
 """
 from __future__ import annotations
 
@@ -40,22 +40,18 @@ def sere_reroute_reference(ids: torch.Tensor, similarity: torch.Tensor, protect:
 @triton.jit
 def _sere_kernel(ids_ptr, sim_ptr, protect_ptr, opt_out_ptr, out_ptr, T, E, threshold,
                  K: tl.constexpr, K1: tl.constexpr, HAS_OPT_OUT: tl.constexpr,
-                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, K1_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                 CHUNK_T: tl.constexpr):
+                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    # The batch's primary set, rebuilt by every program so that none waits on another: one
+    # histogram over all tokens' first K1 ids (a few hundred at most). Padding lanes repeat token
+    # 0's first id, which is always a primary, so they add nothing.
+    p = tl.arange(0, P_PAD)
+    real = p < T * K1
+    primary_ids = tl.load(ids_ptr + (p // K1) * K + p % K1, mask=real, other=0).to(tl.int32)
+    primary_ids = tl.where(real, primary_ids, tl.load(ids_ptr).to(tl.int32))
     experts = tl.arange(0, E_PAD)
-    # Every program rebuilds the (small) primary set from all tokens rather than syncing programs;
-    # it reads only the primary columns (K1 of K).
-    primary = tl.zeros([E_PAD], dtype=tl.int32)
-    chunk_rows = tl.arange(0, CHUNK_T)
-    primary_cols = tl.arange(0, K1_PAD)
-    for t0 in range(0, T, CHUNK_T):
-        rows = t0 + chunk_rows
-        ok = (rows[:, None] < T) & (primary_cols[None, :] < K1)
-        e = tl.load(ids_ptr + rows[:, None] * K + primary_cols[None, :], mask=ok, other=-1).to(tl.int32)
-        e = tl.reshape(e, [CHUNK_T * K1_PAD])
-        primary = tl.maximum(primary, tl.max((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
-    primary = primary & (experts < E)
+    primary = (tl.histogram(primary_ids, E_PAD) > 0) & (experts < E)
 
+    # This program's BLOCK_T tokens: each slot's most similar primary, from the slot's similarity row.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, K_PAD)
     in_range = (rows[:, None] < T) & (cols[None, :] < K)
@@ -64,10 +60,10 @@ def _sere_kernel(ids_ptr, sim_ptr, protect_ptr, opt_out_ptr, out_ptr, T, E, thre
     flat = tl.reshape(ids, [BLOCK_T * K_PAD]).to(tl.int32)
     sim = tl.load(sim_ptr + flat[:, None].to(tl.int64) * E + experts[None, :],
                   mask=(experts[None, :] < E), other=float("-inf"))
-    sim = tl.where(primary[None, :] != 0, sim, float("-inf"))
+    sim = tl.where(primary[None, :], sim, float("-inf"))
     best_sim = tl.max(sim, axis=1)
     best = tl.argmax(sim, axis=1, tie_break_left=True)
-    is_primary = tl.max(((flat[:, None] == experts[None, :]) & (primary[None, :] != 0)).to(tl.int32), axis=1)
+    is_primary = tl.max(((flat[:, None] == experts[None, :]) & primary[None, :]).to(tl.int32), axis=1)
     protected = tl.load(protect_ptr + flat).to(tl.int32)
     move = (is_primary == 0) & (protected == 0) & (best_sim >= threshold)
     move = tl.reshape(move, [BLOCK_T, K_PAD]) & (cols[None, :] >= K1)
@@ -78,22 +74,34 @@ def _sere_kernel(ids_ptr, sim_ptr, protect_ptr, opt_out_ptr, out_ptr, T, E, thre
     tl.store(out_ptr + offs, new, mask=in_range)
 
 
-@torch.library.custom_op("zipmoe::sere_reroute", mutates_args=())
-def sere_reroute(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Tensor,
-                 opt_out: torch.Tensor | None, primary_k: int, threshold: float) -> torch.Tensor:
-    """Same contract and result as `sere_reroute_reference`; one launch, no host sync."""
+# Tokens per program and warps: one token per program spreads a decode batch over as many SMs as
+# it has tokens, each reading its K similarity rows (K x E x 4 bytes) once. The benchmark's
+# `sere_kernel` rows time other shapes too (bench_kernels --parts sere).
+BLOCK_T, NUM_WARPS = 1, 2
+
+
+def launch_sere(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Tensor, opt_out: torch.Tensor | None,
+                primary_k: int, threshold: float, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """`sere_reroute` with the launch shape given (the benchmark compares shapes)."""
     T, K = ids.shape
     E = similarity.shape[-1]
     ids = ids.contiguous()
     out = torch.empty_like(ids)
-    block_t = 16
+    if T == 0:
+        return out
     _sere_kernel[(triton.cdiv(T, block_t),)](
         ids, similarity.contiguous(), protect.contiguous(), opt_out if opt_out is not None else ids, out,
         T, E, float(threshold), K=K, K1=primary_k, HAS_OPT_OUT=opt_out is not None,
-        BLOCK_T=block_t, K_PAD=triton.next_power_of_2(K), K1_PAD=triton.next_power_of_2(primary_k),
-        E_PAD=triton.next_power_of_2(E), CHUNK_T=max(1, 64 // triton.next_power_of_2(primary_k)),
-        num_warps=4)
+        BLOCK_T=block_t, K_PAD=triton.next_power_of_2(K), E_PAD=triton.next_power_of_2(E),
+        P_PAD=triton.next_power_of_2(T * primary_k), num_warps=num_warps)
     return out
+
+
+@torch.library.custom_op("zipmoe::sere_reroute", mutates_args=())
+def sere_reroute(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Tensor,
+                 opt_out: torch.Tensor | None, primary_k: int, threshold: float) -> torch.Tensor:
+    """Same contract and result as `sere_reroute_reference`; one launch, no host sync."""
+    return launch_sere(ids, similarity, protect, opt_out, primary_k, threshold)
 
 
 @sere_reroute.register_fake

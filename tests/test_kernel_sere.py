@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from zipmoe.kernels.sere_reroute import sere_reroute, sere_reroute_reference
+from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 
 def _case(T, K, E, seed, device="cpu", ties=False):
@@ -37,6 +37,20 @@ def test_sere_reroute_matches_reference_bit_exact(T, KE, k1, rho):
 def test_sere_reroute_threshold_above_every_similarity_moves_nothing():
     ids, sim, protect, _ = _case(16, 8, 128, seed=3)
     assert torch.equal(sere_reroute(ids, sim, protect, None, 2, 1.5), ids)
+
+
+@pytest.mark.parametrize("block_t,num_warps", [(2, 2), (4, 4), (16, 4)])
+def test_every_launch_shape_gives_the_reference_ids(block_t, num_warps):
+    """The benchmark's other launch shapes (several tokens per program) re-route alike."""
+    for T, k1 in [(1, 2), (5, 1), (33, 3)]:
+        ids, sim, protect, opt_out = _case(T, 8, 128, seed=T + k1, ties=True)
+        got = launch_sere(ids, sim, protect, opt_out, k1, 0.0, block_t=block_t, num_warps=num_warps)
+        assert torch.equal(got, sere_reroute_reference(ids, sim, protect, opt_out, k1, 0.0))
+
+
+def test_an_empty_batch_launches_nothing():
+    ids, sim, protect, _ = _case(1, 8, 128, seed=0)
+    assert sere_reroute(ids[:0], sim, protect, None, 2, 0.5).shape == (0, 8)
 
 
 @pytest.mark.gpu

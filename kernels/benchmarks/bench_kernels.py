@@ -8,7 +8,8 @@ Every time is read against the device-copy bandwidth measured in the same run. P
   router inputs: the fused Triton kernels (in a CUDA graph, as the engine runs them, and eager),
   torch._grouped_mm, and the per-expert loop (the reference). Four copies of the layer rotate so
   that L2 never holds the next call's weights. `moe_align` rows: the align step alone (graphed).
-- sere: the re-route kernel per layer-step vs the reference's device ops (both in a graph).
+- sere: the re-route kernel per layer-step, as the engine launches it and in other launch shapes,
+  vs the reference's device ops (all in a graph).
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/16/64,
   policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2: wall time of
@@ -23,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +36,7 @@ from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy, route_to
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import fused_moe
 from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_reference, fused_experts_with_config
-from zipmoe.kernels.sere_reroute import sere_reroute, sere_reroute_reference
+from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 from zipmoe.checkpoint import TextConfig
 from zipmoe.serve import REAL_SHAPE_CHECKPOINT
@@ -175,9 +177,12 @@ def bench_sere() -> list[dict]:
     sim = (sim + sim.T) / 2
     protect = torch.rand(E, generator=g, device="cuda") < 0.125
     rows = []
-    for B in (16, 128):
+    # The kernel as the engine launches it, other launch shapes (tokens per program, warps), the reference.
+    shapes = {f"triton bt={bt} w={w}": partial(launch_sere, block_t=bt, num_warps=w)
+              for bt, w in ((1, 1), (1, 4), (2, 2), (4, 4), (16, 4))}
+    for B in (16, 64, 128):
         _, _, ids, _ = skewed_routing(B, gate, direction, seed=B)
-        for impl, fn in (("triton", sere_reroute), ("torch_reference", sere_reroute_reference)):
+        for impl, fn in (("triton", sere_reroute), *shapes.items(), ("torch_reference", sere_reroute_reference)):
             us = graph_time_us(lambda: fn(ids, sim, protect, None, 2, 0.0), calls=48)
             nbytes = ids.numel() * 8 * 2 + E * E * 4
             rows.append(row("sere_kernel", impl, B, us, nbytes, "sere K'=2 rho=0"))
