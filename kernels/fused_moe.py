@@ -10,8 +10,9 @@ min(E, S) + cdiv(S, BLOCK_M) for S = tokens * top_k slots, tiles past the used o
 once, and nothing is read back to the host. So a decode step using these kernels can be
 captured in a CUDA graph and replayed with other routing.
 
-`fused_experts` is the kernel the engine calls on CUDA (`fused_experts_with_config` the same
-launches with an explicit tile shape, for tests and the tuning sweep); `fused_experts_reference`
+`fused_experts` is the kernel the engine calls on CUDA, as `fused_experts_per_slot`, which leaves
+the sum over slots to the next launch (`fused_experts_with_config`: the same launches with an
+explicit tile shape, for tests and the tuning sweep); `fused_experts_reference`
 beside it, a loop over the experts the batch activates, is what the engine runs elsewhere.
 """
 from __future__ import annotations
@@ -236,8 +237,10 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
 
 def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                              down: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
-    """`fused_experts` with the tile shape given (None: `pick_config`'s)."""
+                              down: torch.Tensor, config: MoeConfig | None = None,
+                              sum_slots: bool = True) -> torch.Tensor:
+    """`fused_experts` with the tile shape given (None: `pick_config`'s); sum_slots False: the
+    weighted slot outputs [T, K, H] unsummed (`fused_experts_per_slot`)."""
     T, H = x.shape
     K = ids.shape[1]
     E, two_i, _ = gate_up.shape
@@ -257,8 +260,8 @@ def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch
     _down_kernel[(G, triton.cdiv(H, cfg.block_n))](
         hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert, S, H, I, **launch)
     # Slot results in x's dtype, summed per token (float32 accumulation inside the sum; no atomics,
-    # so deterministic).
-    return per_slot.view(T, K, H).sum(dim=1)
+    # so deterministic), here or by the caller's next launch.
+    return per_slot.view(T, K, H).sum(dim=1) if sum_slots else per_slot.view(T, K, H)
 
 
 @torch.library.custom_op("zipmoe::fused_experts", mutates_args=())
@@ -272,3 +275,17 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 @fused_experts.register_fake
 def _(x, ids, weights, gate_up, down):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("zipmoe::fused_experts_per_slot", mutates_args=())
+def fused_experts_per_slot(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                           down: torch.Tensor) -> torch.Tensor:
+    """`fused_experts` without its last launch, the sum over each token's K slots: [T, K, H], each
+    slot's expert output times its routing weight. The engine hands it to `layer_ops.add_rms_norm`,
+    which sums the slots in the same pass as the residual add."""
+    return fused_experts_with_config(x, ids, weights, gate_up, down, sum_slots=False)
+
+
+@fused_experts_per_slot.register_fake
+def _(x, ids, weights, gate_up, down):
+    return x.new_empty(x.shape[0], ids.shape[1], x.shape[1])

@@ -7,7 +7,8 @@ CUDA graph still cost a few microseconds each and, over 48 layers, more than rea
 weights. Each function here is one launch:
 
 - `rms_norm`: RMSNorm of each row;
-- `add_rms_norm`: residual add + RMSNorm (the residual stream and the normed input in one pass);
+- `add_rms_norm`: residual add + RMSNorm (the residual stream and the normed input in one pass),
+  summing a MoE layer's K slot outputs on the way (`fused_moe.fused_experts_per_slot`);
 - `qk_norm_rope_cache`: per-head RMSNorm of q and k, rotary embedding, and the K/V cache write;
 - `topk_softmax`: router softmax -> top-K -> renormalisation.
 
@@ -35,20 +36,30 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, rms_norm(h + delta)): the residual stream and the next block's input."""
-    h = h + delta
+    """(h + delta, rms_norm(h + delta)): the residual stream and the next block's input. delta
+    [T, N], or [T, K, N] whose K rows per token are summed first (a MoE layer's slot outputs)."""
+    h = h + sum_slots(delta)
     return h, rms_norm_reference(h, weight, eps)
+
+
+def sum_slots(delta: torch.Tensor) -> torch.Tensor:
+    """[T, K, N] -> [T, N] summed over K (float32 inside, rounded to delta's dtype); [T, N] as is."""
+    return delta.sum(dim=1) if delta.dim() == 3 else delta
 
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     h = tl.load(h_ptr + row * N + cols, mask=ok, other=0.0)
     if HAS_DELTA:
-        h = (h.to(tl.float32) + tl.load(delta_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+        # delta's SLOTS rows of this token summed in float32 and rounded once, as `sum_slots` rounds.
+        delta = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(SLOTS):
+            delta += tl.load(delta_ptr + (row * SLOTS + j) * N + cols, mask=ok, other=0.0).to(tl.float32)
+        h = (h.to(tl.float32) + delta.to(h.dtype).to(tl.float32)).to(h.dtype)
         tl.store(h_out_ptr + row * N + cols, h, mask=ok)
     h32 = h.to(tl.float32)
     normed = (h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / N + eps)).to(h.dtype)
@@ -60,8 +71,9 @@ def _launch_norm(h, delta, weight, eps, h_out, x_out):
     T, N = h.shape
     if T:
         _add_rms_norm_kernel[(T,)](h, delta if delta is not None else h, weight, h_out, x_out, N, eps,
-                                   HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N),
-                                   num_warps=4 if N <= 4096 else 8)
+                                   HAS_DELTA=delta is not None,
+                                   SLOTS=delta.shape[1] if delta is not None and delta.dim() == 3 else 1,
+                                   BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
 
 
 @torch.library.custom_op("zipmoe::rms_norm", mutates_args=())
@@ -80,9 +92,10 @@ def _(x, weight, eps):
 @torch.library.custom_op("zipmoe::add_rms_norm", mutates_args=())
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `add_rms_norm_reference` for h, delta [T, N] contiguous; one launch."""
+    """Same contract as `add_rms_norm_reference` for h [T, N] and delta [T, N] or [T, K, N],
+    contiguous; one launch, the slot sum included."""
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _launch_norm(h, delta, weight, eps, h_out, x_out)
+    _launch_norm(h, delta.contiguous(), weight, eps, h_out, x_out)
     return h_out, x_out
 
 

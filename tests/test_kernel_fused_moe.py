@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from zipmoe.engine.routing import route_topk
-from zipmoe.kernels.fused_moe import (MoeConfig, pick_config, fused_experts, fused_experts_reference,
-                                      fused_experts_with_config, moe_align, moe_align_reference, num_tiles)
+from zipmoe.kernels.fused_moe import (MoeConfig, pick_config, fused_experts, fused_experts_per_slot,
+                                      fused_experts_reference, fused_experts_with_config, moe_align,
+                                      moe_align_reference, num_tiles)
 
 SMALL = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
@@ -47,6 +48,9 @@ def test_fused_experts_matches_reference(T, E, K, H, I, dup):
     out = fused_experts_with_config(x, ids, w, gate_up, down, SMALL)
     torch.testing.assert_close(out, fused_experts_reference(x, ids, w, gate_up, down), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_experts(x, ids, w, gate_up, down), out, rtol=1e-4, atol=1e-4)
+    per_slot = fused_experts_per_slot(x, ids, w, gate_up, down)  # the engine's launch: the sum left to add_rms_norm
+    assert per_slot.shape == (T, K, H)
+    assert torch.equal(per_slot.sum(dim=1), fused_experts(x, ids, w, gate_up, down))
 
 
 @pytest.mark.gpu

@@ -47,6 +47,20 @@ def test_add_rms_norm_matches_reference(device, N):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_add_rms_norm_sums_a_moe_layers_slot_outputs(device, K):
+    """delta [T, K, N] (fused_experts_per_slot's output): summed, then added and normed, as the
+    reference sums the slots and adds; the residual rounds alike up to the float32 sum's order."""
+    h, delta, w, tol = _norm_case(device, 2048)
+    slots = torch.stack([delta * (0.5 + j) for j in range(K)], dim=1)
+    got, want = add_rms_norm(h, slots, w, 1e-6), add_rms_norm_reference(h, slots, w, 1e-6)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    if K == 1:
+        assert torch.equal(add_rms_norm(h, slots[:, 0], w, 1e-6)[0], got[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (32, 4, 128)])
 def test_qk_norm_rope_cache_matches_reference(device, hq, hkv, d):
     g = torch.Generator().manual_seed(d)

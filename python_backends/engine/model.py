@@ -22,15 +22,17 @@ from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
-from ..kernels.fused_moe import fused_experts, fused_experts_reference
+from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from .routing import RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
+# `experts` may leave a MoE layer's K slot outputs unsummed ([T, K, H], the kernels): add_rms_norm
+# sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, topk_softmax=layer_ops.topk_softmax,
-                          experts=fused_experts, decode_attention=paged_decode_attention)
+                          experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             qk_norm_rope_cache=layer_ops.qk_norm_rope_cache_reference,
                             topk_softmax=layer_ops.topk_softmax_reference, experts=fused_experts_reference,
@@ -157,10 +159,10 @@ class Qwen3VLMoeTextDecoder:
             out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
             inject = step.deepstack is not None and layer.idx < step.deepstack.shape[0]
             if nxt is not None and not inject:
-                # The residual add and the next layer's input norm in one pass.
+                # The residual add (and the MoE's slot sum) and the next layer's input norm in one pass.
                 h, x = ops.add_rms_norm(h, out, nxt.input_norm, eps)
                 continue
-            h = h + out
+            h = h + layer_ops.sum_slots(out)
             if inject:
                 h[rows] = h[rows] + step.deepstack[layer.idx].to(self.dtype)  # DeepStack injection
             if nxt is not None:
@@ -200,7 +202,8 @@ class Qwen3VLMoeTextDecoder:
 
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs,
              routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Router, the policy (decode only; appends (router's ids, ids computed) to `routing`), experts."""
+        """Router, the policy (decode only; appends (router's ids, ids computed) to `routing`), experts:
+        [T, H], or [T, K, H] slot outputs still to be summed (`ops.experts` of KERNELS)."""
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
         probs, ids, weights = self.ops.topk_softmax(F.linear(x, layer.gate), self.cfg.top_k,
@@ -216,7 +219,7 @@ class Qwen3VLMoeTextDecoder:
         # Every process routed the same tokens the same way (the policy saw the global routing); each
         # computes its own experts' share and the shares are summed across processes.
         ids, weights = self.shard.localize(ids, weights)
-        return self.shard.reduce(self.ops.experts(x, ids, weights, layer.gate_up, layer.down))
+        return self.shard.reduce(layer_ops.sum_slots(self.ops.experts(x, ids, weights, layer.gate_up, layer.down)))
 
     @staticmethod
     def _mlp(layer: Layer, x: torch.Tensor) -> torch.Tensor:
