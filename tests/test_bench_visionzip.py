@@ -1,0 +1,25 @@
+"""bench_visionzip runs on the CPU at a small size and writes one row per keep ratio and part (no
+timing is asserted); its features are what compress accepts."""
+from __future__ import annotations
+
+import json
+
+from zipmoe.kernels.benchmarks import bench_visionzip
+
+
+def test_the_visionzip_bench_writes_its_rows(tmp_path):
+    out = tmp_path / "visionzip"
+    assert bench_visionzip.main(["--device", "cpu", "--images", "3", "--tokens", "16", "--reps", "1",
+                                 "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert (result["images"], result["tokens_per_image"]) == (3, 16)
+    parts = {"select_tokens", "compress", "compress + decoder_inputs"}
+    assert {(r["keep_ratio"], r["part"]) for r in result["rows"]} == {(k, p) for k in (1.0, 0.6, 0.4) for p in parts}
+    assert all(r["ms"] >= 0 for r in result["rows"])
+
+
+def test_its_features_keep_the_budget():
+    feats = bench_visionzip.make_features(4, 16, 32, 3, 8, "cpu")
+    tokens = bench_visionzip.compress(feats, 0.5)
+    assert sum(t.embeds.shape[0] for t in tokens) == 32  # round(0.5 * 64)
+    assert all(t.deepstack.shape[0] == 3 and t.embeds.dtype.is_floating_point for t in tokens)
