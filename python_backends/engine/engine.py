@@ -131,6 +131,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._single_process = shard is None  # expert parallel keeps its processes in lockstep on plain steps
         self._pipelined = config.async_scheduling and self._single_process
+        if config.async_scheduling and shard is not None and shard.rank == 0:
+            print(f"async scheduling: off with expert_parallel_size {shard.size} (its processes step in lockstep)",
+                  flush=True)
         self._inflight: InFlight | None = None
 
     def _plan_kv_blocks(self) -> int:
