@@ -85,6 +85,8 @@ def launch_sere(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Tens
     """`sere_reroute` with the launch shape given (the benchmark compares shapes)."""
     T, K = ids.shape
     E = similarity.shape[-1]
+    if not 1 <= primary_k <= K:
+        raise ValueError(f"primary_k must be in [1, {K}], got {primary_k}")
     ids = ids.contiguous()
     out = torch.empty_like(ids)
     if T == 0:

@@ -60,6 +60,21 @@ def test_add_rms_norm_sums_a_moe_layers_slot_outputs(device, K):
         assert torch.equal(add_rms_norm(h, slots[:, 0], w, 1e-6)[0], got[0])
 
 
+@pytest.mark.gpu
+def test_the_slot_sum_rounds_as_the_separate_sum_did_gpu():
+    """bf16 on CUDA (the interpreter rounds float32 -> bf16 differently): summing the slots inside
+    add_rms_norm gives the residual of the old path, add_rms_norm(h, slots.sum(1)), except where the
+    float32 sum over the slots is taken in another order (a rare last-bit difference)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(64, 2048, generator=g, device="cuda").bfloat16()
+    slots = (torch.randn(64, 8, 2048, generator=g, device="cuda") * 0.3).bfloat16()
+    w = torch.rand(2048, generator=g, device="cuda").bfloat16() + 0.5
+    fused, separate = add_rms_norm(h, slots, w, 1e-6), add_rms_norm(h, slots.sum(dim=1), w, 1e-6)
+    differ = (fused[0] != separate[0]).float().mean().item()
+    assert differ < 0.01, f"{differ:.2%} of the residual differs"
+    torch.testing.assert_close(fused[0], separate[0], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (32, 4, 128)])
 def test_qk_norm_rope_cache_matches_reference(device, hq, hkv, d):

@@ -51,6 +51,21 @@ def test_every_launch_shape_gives_the_reference_ids(block_t, num_warps):
 def test_an_empty_batch_launches_nothing():
     ids, sim, protect, _ = _case(1, 8, 128, seed=0)
     assert sere_reroute(ids[:0], sim, protect, None, 2, 0.5).shape == (0, 8)
+    with pytest.raises(ValueError, match="primary_k"):
+        launch_sere(ids, sim, protect, None, 0, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("E", [16, 60, 128])
+@pytest.mark.parametrize("num_warps", [1, 2, 4])
+def test_small_batches_match_the_reference_gpu(T, E, num_warps):
+    """Fewer primary ids than threads (the histogram's input is shorter than the program's lanes),
+    and expert counts that are not powers of two."""
+    for seed, rho in [(0, 0.0), (1, 0.5)]:
+        ids, sim, protect, opt_out = _case(T, 8, E, seed, "cuda", ties=seed == 0)
+        got = launch_sere(ids, sim, protect, opt_out, 2, rho, num_warps=num_warps)
+        assert torch.equal(got, sere_reroute_reference(ids, sim, protect, opt_out, 2, rho))
 
 
 @pytest.mark.gpu

@@ -89,8 +89,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="topk,oea")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    # One step at a time in every row: expert parallel never pipelines, so size 1 must not either.
     base = EngineConfig(device=args.device, load_format=args.load_format, num_kv_blocks=4096, max_model_len=2048,
-                        max_num_seqs=max(batches), max_num_batched_tokens=max(8192, max(batches) * PROMPT))
+                        max_num_seqs=max(batches), max_num_batched_tokens=max(8192, max(batches) * PROMPT),
+                        async_scheduling=False)
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "checkpoint": args.checkpoint, "rows": []}
     out = Path(args.out)

@@ -201,8 +201,10 @@ def random_sere(device: torch.device, seed: int = 0) -> SerePolicy:
 
 
 def build_engine(max_num_seqs: int = 64) -> LLMEngine:
+    # One step at a time unless a row turns pipelining on (bench_decode's engine_step_async rows).
     config = EngineConfig(device="cuda", dtype="bfloat16", load_format="dummy", num_kv_blocks=4096, max_num_seqs=max_num_seqs,
-                          max_model_len=16384, max_num_batched_tokens=16384, max_tokens_cap=4096)
+                          max_model_len=16384, max_num_batched_tokens=16384, max_tokens_cap=4096,
+                          async_scheduling=False)
     t0 = time.perf_counter()
     engine = LLMEngine(REAL_SHAPE_CHECKPOINT, config, policy=RoutingPolicy())
     print(f"dummy 30B-shaped engine + CUDA graphs: {time.perf_counter() - t0:.1f} s, "
