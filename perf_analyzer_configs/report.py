@@ -6,7 +6,7 @@ Input: the JSON `python -m perf_analyzer_configs.run --out PREFIX` writes. Besid
 per workload x model x routing with concurrency rows, the most requests/s reached and 65 % of it (the
 seed measures at one rate of about 60-70 % of topk's maximum throughput), and for every rate run
 measured with topk as well, each other routing's TPOT and TTFT p50 against topk's (a routing label
-with a variant, "sere async", against "topk async"; see `baseline`). The PNG: the
+with a variant, "sere sync", against "topk sync"; see `baseline`). The PNG: the
 latency-throughput curve (TPOT p50 and TTFT p50 against output tokens/s, one point per concurrency)
 and the rate runs' TPOT and TTFT (p50 and p99).
 """
@@ -35,8 +35,8 @@ def suggested_rates(rows: list[dict]) -> dict[str, tuple[float, int, float]]:
 
 
 def baseline(routing: str) -> str:
-    """The topk run a routing's rate row is read against: a variant label ("sere async", the
-    routing plus the setting that differs) against topk with the same variant ("topk async"); a
+    """The topk run a routing's rate row is read against: a variant label ("sere sync", the
+    routing plus the setting that differs) against topk with the same variant ("topk sync"); a
     topk variant against plain topk."""
     policy, _, variant = routing.partition(" ")
     return "topk" if policy == "topk" or not variant else f"topk {variant}"

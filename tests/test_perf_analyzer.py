@@ -224,17 +224,17 @@ def test_sere_rows_compare_with_topk_at_the_same_rate(perf_analyzer, zipmoe_serv
 
 
 def test_a_routing_variant_is_read_against_topk_with_the_same_variant():
-    """"sere async" against "topk async", "topk async" against topk; a row without its baseline is skipped."""
+    """"sere sync" against "topk sync", "topk sync" against topk; a row without its baseline is skipped."""
     row = dict(workload="business", model="mm_qa", mode="rate", value=2.0, errors=0, ttft_ms_p50=100.0)
-    rows = [{**row, "routing": "topk", "tpot_ms_p50": 10.0}, {**row, "routing": "topk async", "tpot_ms_p50": 8.0},
-            {**row, "routing": "sere async", "tpot_ms_p50": 6.0}, {**row, "routing": "oea async", "value": 3.0,
+    rows = [{**row, "routing": "topk", "tpot_ms_p50": 10.0}, {**row, "routing": "topk sync", "tpot_ms_p50": 8.0},
+            {**row, "routing": "sere sync", "tpot_ms_p50": 6.0}, {**row, "routing": "oea sync", "value": 3.0,
                                                                    "tpot_ms_p50": 5.0}]
-    assert [report.baseline(r) for r in ("topk", "sere", "topk async", "sere async")] == \
-        ["topk", "topk", "topk", "topk async"]
+    assert [report.baseline(r) for r in ("topk", "sere", "topk sync", "sere sync")] == \
+        ["topk", "topk", "topk", "topk sync"]
     lines = report.against_topk(rows)
     assert len(lines) == 2
-    assert lines[0].startswith("business mm_qa topk async at 2 req/s vs topk: TPOT p50 -20.0 %")
-    assert lines[1].startswith("business mm_qa sere async at 2 req/s vs topk async: TPOT p50 -25.0 %")
+    assert lines[0].startswith("business mm_qa topk sync at 2 req/s vs topk: TPOT p50 -20.0 %")
+    assert lines[1].startswith("business mm_qa sere sync at 2 req/s vs topk sync: TPOT p50 -25.0 %")
 
 
 @pytest.mark.integration
