@@ -83,6 +83,20 @@ def test_a_decode_step_is_in_flight_when_the_previous_tokens_come_back(tiny_chec
     assert all(len(s.output_ids) == 6 and s.pending == 0 for s in seqs)
 
 
+def test_steps_run_and_pipelined_are_counted(tiny_checkpoint):
+    """One prefill step, then five decode steps for tokens 2..6: the first launched after a step that
+    was read back, the other four behind the one in flight (zipmoe_engine_steps_pipelined_total)."""
+    counted = {}
+    for pipelined in (False, True):
+        eng = engine(tiny_checkpoint, pipelined)
+        for _ in range(2):
+            eng.add_request(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
+        while eng.has_work:
+            eng.step()
+        counted[pipelined] = (eng.steps_run, eng.steps_pipelined)
+    assert counted == {False: (6, 0), True: (6, 4)}
+
+
 def test_the_decoder_service_streams_alike_with_async_scheduling(tiny_checkpoint):
     def stream(pipelined):
         svc = DecoderService(engine(tiny_checkpoint, pipelined), TokenBytes.from_tokenizer_json(tiny_checkpoint))

@@ -153,6 +153,8 @@ def test_stats_cover_every_published_metric(service):
     assert set(stats) == set(COUNTERS) | set(GAUGES)
     assert stats["requests_completed"] == 1 and stats["decode_tokens"] == 2
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 64 and stats["kv_capacity_tokens"] == 64 * 16
+    # A prefill, a decode step read back, one launched behind it (async scheduling, the default).
+    assert (stats["engine_steps"], stats["engine_steps_pipelined"]) == (3, 1)
 
 
 def test_shutdown_answers_whoever_waits(tiny_checkpoint):

@@ -11,7 +11,7 @@ Every time is read against the device-copy bandwidth measured in the same run. P
 - sere: the re-route kernel per layer-step, as the engine launches it and in other launch shapes,
   vs the reference's device ops (all in a graph).
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
-- decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/16/64,
+- decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
   policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2: wall time of
   engine.step() (TPOT) and the graph replay alone, with the union each policy produced.
 - prefill: the same engine prefilling 30 images' visual tokens (256 merged tokens each) at keep
@@ -46,7 +46,7 @@ from .timing import copy_gbps, cuda_time_us, graph_time_us
 # Qwen3-VL-30B-A3B's text decoder, with dummy weights (zipmoe.dummy_weights: routing skewed as trained).
 CFG = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)
 MOE_BATCHES = (1, 4, 16, 64, 128)
-DECODE_BATCHES = (1, 16, 64)
+DECODE_BATCHES = (1, 4, 16, 64)  # 4: about where the business rate decodes (is SERE worth its kernel there?)
 EXPERT_BYTES = 3 * CFG.moe_intermediate_size * CFG.hidden_size * 2
 
 

@@ -135,6 +135,8 @@ class LLMEngine:
             print(f"async scheduling: off with expert_parallel_size {shard.size} (its processes step in lockstep)",
                   flush=True)
         self._inflight: InFlight | None = None
+        # Steps run (any kind), and those launched ahead, before the step before them was read back.
+        self.steps_run = self.steps_pipelined = 0
 
     def _plan_kv_blocks(self) -> int:
         """num_kv_blocks 0: what memory.plan leaves for the cache (CPU: a fixed size)."""
@@ -233,6 +235,7 @@ class LLMEngine:
             self._launch([seq for seq, _ in batch], None)
             return []
         results = self.runner.run(batch)
+        self.steps_run += 1
         for seq, n in batch:
             seq.num_cached += n
             if seq.visual is not None and seq.num_cached >= len(seq.prompt_ids):
@@ -241,6 +244,8 @@ class LLMEngine:
 
     def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> None:
         tokens = self.runner.launch_decode(seqs, input_ids)
+        self.steps_run += 1
+        self.steps_pipelined += input_ids is not None  # a follow-up launch: its input ids never left the device
         for seq in seqs:
             seq.num_cached += 1
             seq.pending += 1

@@ -142,6 +142,7 @@ class DecoderService:
         """Counters (only grow) and gauges of the service, the engine's KV cache, its routing and the load."""
         sched, control = self.engine.scheduler, self._controller
         return {**self.counts, "preemptions": sched.num_preemptions,
+                "engine_steps": self.engine.steps_run, "engine_steps_pipelined": self.engine.steps_pipelined,
                 "kv_blocks_free": self.engine.blocks.num_free, "kv_blocks_total": self.engine.blocks.num_blocks,
                 "kv_capacity_tokens": self.engine.kv_capacity_tokens,
                 "running": len(sched.running), "waiting": len(sched.waiting),
