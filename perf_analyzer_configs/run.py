@@ -13,8 +13,8 @@ measured), then runs perf_analyzer once per concurrency (`--concurrency-range C`
 (`--request-count`; default 1000 at a rate, the seed's measurement, and max(32, 8 x C) at a
 concurrency). Every run keeps perf_analyzer's profile export and log in --work-dir; the rows are
 derived from the export (profile_export.py: TTFT, TPOT, ITL, out_tok_s; p50/p90/p99) and, from the
-server's counters when its metrics endpoint is known, the experts read per MoE layer-step and the
-preemptions.
+server's counters when its metrics endpoint is known, the experts read per MoE layer-step, the
+preemptions and the share of engine steps that ran pipelined.
 
 Workloads are make_inputs.py's: `--inputs ci` uses the small files committed in inputs/ (CPU, CI),
 `--inputs full` generates the H200 files into .work/inputs/full/ when missing. A workload ending in
@@ -125,10 +125,15 @@ class Runner:
                     "note": f"perf_analyzer exit {rc}{'' if exported else ', no export'}: {tail(log.read_text())}"}
         ((_, _, requests),) = profile_export.experiments(profile_export.load(export))
         effect = routing_effect(before, after) if after else {}
-        preempted = after.get("zipmoe_preemptions_total", 0.0) - before.get("zipmoe_preemptions_total", 0.0)
+        counted = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in
+                   ("zipmoe_preemptions_total", "zipmoe_engine_steps_total", "zipmoe_engine_steps_pipelined_total")}
+        steps = counted["zipmoe_engine_steps_total"]
         return {**row, **profile_export.summarise(requests, run.requests),
                 "experts_read": None if effect.get("experts_read") is None else round(effect["experts_read"], 3),
-                "preemptions": int(preempted) if after else None, "export": display_path(export)}
+                "preemptions": int(counted["zipmoe_preemptions_total"]) if after else None,
+                # share of the engine's steps launched behind the one in flight (async scheduling)
+                "steps_pipelined": round(counted["zipmoe_engine_steps_pipelined_total"] / steps, 3) if steps else None,
+                "export": display_path(export)}
 
 
 def workload_file(workload: str, inputs: str) -> tuple[str, Path]:
