@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zipmoe import serve
+from zipmoe import repository_config, serve
 from zipmoe.clients import bench_serving_report as report
 from zipmoe.clients.bench_common import parse_size, pct, rounded, synthetic_jpeg
 from zipmoe.clients.bench_serving import add_server_arguments
@@ -140,7 +140,7 @@ def run_mode(args, mode: str, checkpoint: Path | None) -> dict:
     if args.url:
         records, samples = asyncio.run(load(args, args.url, args.metrics_url))
     else:
-        overrides = serve.parse_overrides(args.set)
+        overrides = repository_config.parse_overrides(args.set)
         target = "0" if mode == "fixed" else str(args.ttft_target_ms)
         overrides["moe_decoder"] = {**overrides.get("moe_decoder", {}), "ttft_target_ms": target}
         ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
               "model": args.model, "rate": args.rate, "duration": args.duration, "images": args.images,
               "pool": args.pool, "image_size": args.image_size, "priorities": args.priorities,
               "max_tokens": args.max_tokens, "ttft_target_ms": args.ttft_target_ms,
-              "overrides": serve.parse_overrides(args.set), "modes": {}}
+              "overrides": repository_config.parse_overrides(args.set), "modes": {}}
     out = report.prefix(args.out) if args.out else None
     for mode in args.mode:
         result["modes"][mode] = run_mode(args, mode, checkpoint)

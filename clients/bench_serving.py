@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zipmoe import serve
+from zipmoe import repository_config, serve
 from zipmoe.clients import bench_serving_report as report
 from zipmoe.clients.bench_common import device_info, parse_size, pct, rounded, synthetic_jpeg
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
@@ -330,7 +330,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    overrides = serve.parse_overrides(args.set)
+    overrides = repository_config.parse_overrides(args.set)
     routing = args.routing or overrides.get("moe_decoder", {}).get("routing_policy", "topk")
     device, gbps = device_info()
     print(f"device {device}" + (f": copy_ {gbps:.0f} GB/s (read + write)" if gbps else ""), flush=True)

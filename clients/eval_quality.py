@@ -36,10 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zipmoe import serve
+from zipmoe import repository_config, serve
 from zipmoe.clients.checkpoint_paths import REPO, display_path, ensure_sere, resolve_checkpoint
 from zipmoe.clients.eval_quality_report import DEFAULT_BUDGET, plot, row_label
-from zipmoe.clients.triton_client import scrape_metrics
+from zipmoe.clients.triton_client import counter_deltas, scrape_metrics
 
 DEFAULT_OUT = REPO / "docs" / "results" / "quality"
 KINDS = ("dense", "plain")
@@ -257,7 +257,7 @@ def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[st
     moved to another expert per generated token (all layers). None where nothing was decoded. A token
     decoded in a step that also prefills a prompt is routed top-K and makes no layer-step (runner.py):
     it counts as a token that moved nothing."""
-    d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in ROUTING_COUNTERS}
+    d = counter_deltas(before, after, ROUTING_COUNTERS)
     steps, tokens = d["zipmoe_moe_layer_steps_total"], d["zipmoe_decode_tokens_total"]
     return {"experts_routed": d["zipmoe_moe_union_before_total"] / steps if steps else None,
             "experts_read": d["zipmoe_moe_union_after_total"] / steps if steps else None,
@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     v2 = {"taskset": args.taskset} if args.taskset != "notes" else {}  # notes: the call as before
     max_tokens = taskset_named(args.taskset).max_tokens if args.max_tokens is None else args.max_tokens
     run_eval(args.checkpoint, args.split, args.n, args.concurrency, max_tokens, args.settings, args.out,
-             args.log_dir, overrides=serve.parse_overrides(args.overrides), **v2)
+             args.log_dir, overrides=repository_config.parse_overrides(args.overrides), **v2)
     return 0
 
 

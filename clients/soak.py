@@ -52,14 +52,14 @@ from pathlib import Path
 
 import numpy as np
 
-from zipmoe import serve
+from zipmoe import repository_config, serve
 from zipmoe.clients.server_probe import (MemorySampler, memory_snapshot, models_not_ready, ready, wait_blocks_back,
                                          wait_idle)
 from zipmoe.clients.bench_common import device_info
 from zipmoe.clients.soak_checks import compare, diagnose, first_difference, growth_ok, stream_problems
 from zipmoe.clients.soak_requests import (KEEP_USED, MODELS, Outcome, SoakRequest, make_requests, pool_image,
                                           reference_inputs, run_loaded, run_whole)
-from zipmoe.clients.triton_client import scrape_metrics
+from zipmoe.clients.triton_client import counter_deltas, scrape_metrics
 
 # ---------------------------------------------------------------------------------------------- soak
 
@@ -215,10 +215,10 @@ def soak(grpc_url: str, http_url: str, metrics_url: str, config: SoakConfig, ser
     else:
         checks["host_rss_flat"] = {"ok": True, "skipped": "no server pid (--server-pid) on this machine"}
 
-    summary["metrics_delta"] = {k.removeprefix("zipmoe_"): after.get(k, 0) - before.get(k, 0) for k in (
+    summary["metrics_delta"] = {k.removeprefix("zipmoe_"): v for k, v in counter_deltas(before, after, (
         "zipmoe_requests_completed_total", "zipmoe_requests_cancelled_total", "zipmoe_requests_rejected_busy_total",
         "zipmoe_preemptions_total", "zipmoe_prompt_tokens_total", "zipmoe_decode_tokens_total",
-        "zipmoe_bls_cache_hits_total", "zipmoe_bls_cache_misses_total")}
+        "zipmoe_bls_cache_hits_total", "zipmoe_bls_cache_misses_total")).items()}
     summary["metrics_delta"]["cancelled_mm_qa_bls"] = sum(r.model == "mm_qa_bls" for r, _ in cancelled)
     summary["metrics_delta"]["cancelled_mm_qa"] = sum(r.model == "mm_qa" for r, _ in cancelled)
     summary["checks"] = checks
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     config = config_from(args)
-    overrides = serve.load_format_overrides(args.load_format, serve.parse_overrides(args.set))
+    overrides = repository_config.load_format_overrides(args.load_format, repository_config.parse_overrides(args.set))
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     started = time.time()
     if args.url:

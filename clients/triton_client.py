@@ -209,3 +209,9 @@ def scrape_metrics(url: str) -> dict[str, float]:
                 name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
                 totals[name] = totals.get(name, 0.0) + value
     return totals
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float], names=None) -> dict[str, float]:
+    """How much each counter grew between two `scrape_metrics` (names: these, absent ones as 0; None:
+    every counter of `after`)."""
+    return {name: after.get(name, 0.0) - before.get(name, 0.0) for name in (after if names is None else names)}

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from perf_analyzer_configs import deps, make_inputs, profile_export, report
-from zipmoe import serve
+from zipmoe import repository_config, serve
 from zipmoe.clients.bench_common import device_info
 from zipmoe.clients.bench_serving import add_server_arguments
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
-from zipmoe.clients.triton_client import scrape_metrics
+from zipmoe.clients.triton_client import counter_deltas, scrape_metrics
 from zipmoe.settings import LOAD_FORMATS
 
 MODELS = ("mm_qa", "mm_qa_bls")
@@ -125,8 +125,8 @@ class Runner:
                     "note": f"perf_analyzer exit {rc}{'' if exported else ', no export'}: {tail(log.read_text())}"}
         ((_, _, requests),) = profile_export.experiments(profile_export.load(export))
         effect = routing_effect(before, after) if after else {}
-        counted = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in
-                   ("zipmoe_preemptions_total", "zipmoe_engine_steps_total", "zipmoe_engine_steps_pipelined_total")}
+        counted = counter_deltas(before, after, ("zipmoe_preemptions_total", "zipmoe_engine_steps_total",
+                                                 "zipmoe_engine_steps_pipelined_total"))
         steps = counted["zipmoe_engine_steps_total"]
         return {**row, **profile_export.summarise(requests, run.requests),
                 "experts_read": None if effect.get("experts_read") is None else round(effect["experts_read"], 3),
@@ -229,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    overrides = serve.load_format_overrides(args.load_format, serve.parse_overrides(args.set))
+    overrides = repository_config.load_format_overrides(args.load_format, repository_config.parse_overrides(args.set))
     routing = args.routing or overrides.get("moe_decoder", {}).get("routing_policy", "topk")
     runs = plan(args)  # input files first: a missing one fails before a server starts
     tool = deps.ensure()

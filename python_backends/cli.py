@@ -94,7 +94,7 @@ def demo_example():
 def cmd_demo(args) -> int:
     from zipmoe.build import notes_data
     from zipmoe.clients.eval_quality import exact_match
-    from zipmoe.clients.triton_client import scrape_metrics
+    from zipmoe.clients.triton_client import counter_deltas, scrape_metrics
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else serve.TRAINED_CHECKPOINT
     if args.image and args.question is None:
@@ -115,7 +115,7 @@ def cmd_demo(args) -> int:
         before = scrape_metrics(server.url_metrics)
         r = stream_answer(server.url_grpc, _inputs(args, images))
         after = scrape_metrics(server.url_metrics)
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    d = counter_deltas(before, after)
     tokens = d.get("zipmoe_decode_tokens_total", 0)
     ttft = d.get("zipmoe_ttft_microseconds_total", 0) / 1e3
     tpot = d.get("zipmoe_decode_microseconds_total", 0) / 1e3 / tokens if tokens else float("nan")

@@ -29,7 +29,7 @@ from collections import deque
 from pathlib import Path
 
 # The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
-from .repository_config import load_format_overrides, parse_overrides, render_repository  # noqa: F401
+from .repository_config import render_repository
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 # The trained notes checkpoint (build/train_tiny.py), committed: what the demo and `zipmoe eval` use.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from zipmoe import cli, serve
+from zipmoe import cli, repository_config, serve
 from zipmoe.clients import eval_quality as eq
 from zipmoe.clients import eval_quality_report as report
 from zipmoe.clients.eval_quality import Answer, Item
@@ -96,7 +96,7 @@ def test_set_overrides_join_every_server_but_never_what_is_swept():
 def test_plan_overrides_name_real_parameters(tmp_path):
     """Every parameter a setting sets exists in its model's config.pbtxt (rendering refuses unknown ones)."""
     for setting, _ in eq.plan("full"):
-        serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / setting.slug, None, setting.overrides)
+        repository_config.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / setting.slug, None, setting.overrides)
 
 
 ITEMS = [Item("q1", "Red", "colour", ("dense", "plain"), (b"a", b"b")),

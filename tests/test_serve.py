@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zipmoe import serve
+from zipmoe import repository_config, serve
 
 ECHO_MODEL = '''
 import triton_python_backend_utils as pb_utils
@@ -112,7 +112,7 @@ def test_render_repository_rewrites_checkpoint_only(tmp_path):
     (src / "ens" / "config.pbtxt").write_text('name: "ens"\nplatform: "ensemble"\n')
     ckpt = tmp_path / "my ckpt"
 
-    out = serve.render_repository(src, tmp_path / "dst", str(ckpt))
+    out = repository_config.render_repository(src, tmp_path / "dst", str(ckpt))
 
     text = (out / "m" / "config.pbtxt").read_text()
     assert text == (
@@ -128,7 +128,7 @@ def test_render_repository_without_checkpoint_anchors_relative_paths(tmp_path):
     src = tmp_path / "src"
     (src / "m" / "1").mkdir(parents=True)
     (src / "m" / "config.pbtxt").write_text(CONFIG_WITH_PARAMS)
-    out = serve.render_repository(src, tmp_path / "dst", None)
+    out = repository_config.render_repository(src, tmp_path / "dst", None)
     text = (out / "m" / "config.pbtxt").read_text()
     assert '"/old/ckpt"' in text  # absolute paths stay
     assert f'"{tmp_path / "relative/ckpt"}"' in text  # relative ones mean what they meant beside src
@@ -272,16 +272,16 @@ def test_render_repository_sets_parameters(tmp_path):
     src = tmp_path / "src"
     (src / "m" / "1").mkdir(parents=True)
     (src / "m" / "config.pbtxt").write_text(CONFIG_WITH_PARAMS)
-    out = serve.render_repository(src, tmp_path / "dst", None,
-                                  serve.parse_overrides(["m.max_tokens=8", 'm.other_path=/new "x"']))
+    out = repository_config.render_repository(src, tmp_path / "dst", None,
+                                  repository_config.parse_overrides(["m.max_tokens=8", 'm.other_path=/new "x"']))
     text = (out / "m" / "config.pbtxt").read_text()
     assert 'string_value: "8"' in text and r'"/new \"x\""' in text
     with pytest.raises(ValueError, match="no parameter 'nope'"):
-        serve.render_repository(src, tmp_path / "d2", None, {"m": {"nope": "1"}})
+        repository_config.render_repository(src, tmp_path / "d2", None, {"m": {"nope": "1"}})
     with pytest.raises(ValueError, match="no model named ghost"):
-        serve.render_repository(src, tmp_path / "d3", None, {"ghost": {"x": "1"}})
+        repository_config.render_repository(src, tmp_path / "d3", None, {"ghost": {"x": "1"}})
     with pytest.raises(ValueError, match="MODEL.PARAMETER=VALUE"):
-        serve.parse_overrides(["max_tokens=8"])
+        repository_config.parse_overrides(["max_tokens=8"])
 
 
 def _instance_groups(config_path):
@@ -297,16 +297,16 @@ def test_render_repository_sets_instance_group(tmp_path):
     """--set MODEL.instance_group=[...]: data parallel (or two CPU instances in the tests) without editing
     the shipped configs; the list may nest (gpus: [0, 1]), and the model's parameters stay."""
     gpus = "[{ count: 1 kind: KIND_GPU gpus: [0, 1] }]"
-    out = serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "gpu", None,
-                                  serve.parse_overrides([f"moe_decoder.instance_group={gpus}",
+    out = repository_config.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "gpu", None,
+                                  repository_config.parse_overrides([f"moe_decoder.instance_group={gpus}",
                                                          "vision_encoder.instance_group=[{count: 2 kind: KIND_CPU}]"]))
     groups, config = _instance_groups(out / "moe_decoder" / "config.pbtxt")
     assert groups == [(1, "KIND_GPU", [0, 1])] and config.parameters["max_num_seqs"].string_value == "64"
     assert _instance_groups(out / "vision_encoder" / "config.pbtxt")[0] == [(2, "KIND_CPU", [])]
     assert _instance_groups(out / "image_decode" / "config.pbtxt")[0] == [(1, "KIND_CPU", [])]  # untouched
-    again = serve.render_repository(out, tmp_path / "cpu", None,  # a nested list replaced whole
+    again = repository_config.render_repository(out, tmp_path / "cpu", None,  # a nested list replaced whole
                                     {"moe_decoder": {"instance_group": "[{ count: 2 kind: KIND_CPU }]"}})
     assert _instance_groups(again / "moe_decoder" / "config.pbtxt")[0] == [(2, "KIND_CPU", [])]
     with pytest.raises(ValueError, match="instance_group wants a pbtxt list"):
-        serve.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "bad", None,
+        repository_config.render_repository(serve.DEFAULT_REPOSITORY, tmp_path / "bad", None,
                                 {"moe_decoder": {"instance_group": "count: 2"}})

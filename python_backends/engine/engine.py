@@ -231,7 +231,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        if self._pipelined and all(n == 1 and is_decode(seq, n) for seq, n in batch):
+        if self._pipelined and all(is_decode(seq, n) for seq, n in batch):
             self._launch([seq for seq, _ in batch], None)
             return []
         results = self.runner.run(batch)
