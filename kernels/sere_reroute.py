@@ -76,8 +76,10 @@ def _sere_kernel(ids_ptr, sim_ptr, protect_ptr, opt_out_ptr, out_ptr, T, E, thre
 
 # Tokens per program and warps: one token per program spreads a decode batch over as many SMs as
 # it has tokens, each reading its K similarity rows (K x E x 4 bytes) once. The benchmark's
-# `sere_kernel` rows time other shapes too (bench_kernels --parts sere).
-BLOCK_T, NUM_WARPS = 1, 2
+# `sere_kernel` rows time other shapes too (bench_kernels --parts sere): on the H200 (2026-12-02)
+# four warps were the fastest at 16, 64 and 128 tokens (1.9 / 1.9 / 2.3 us against 2.2 / 2.2 / 2.4
+# with two), more tokens per program slower (7.3-7.7 us at 16).
+BLOCK_T, NUM_WARPS = 1, 4
 
 
 def launch_sere(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Tensor, opt_out: torch.Tensor | None,

@@ -102,14 +102,18 @@ def plot(result: dict, path: Path) -> bool:
         ax.set(xlabel="output tokens/s", ylabel="ms")
         ax.set_title(f"{title} vs throughput, fixed concurrency", fontsize=10)
     rated = [r for r in result["rows"] if r["mode"] == "rate" and r["n"]]
-    names = [f"{r['routing']}\n{r['workload']} {r['model']}\n{r['value']:g} req/s" for r in rated]
+    # the workload and model go into a tick only when the rate runs differ in them (else they crowd it)
+    mixed = len({(r["workload"], r["model"]) for r in rated}) > 1
+    names = [f"{r['routing']}\n" + (f"{r['workload']} {r['model']}\n" if mixed else "") + f"{r['value']:g} req/s"
+             for r in rated]
     for ax, metric, title in ((axes[1][0], "tpot", "TPOT"), (axes[1][1], "ttft", "TTFT")):
         for shift, q in ((-0.2, 50), (0.2, 99)):
             ax.bar([i + shift for i in range(len(rated))], [r[f"{metric}_ms_p{q}"] or 0 for r in rated], width=0.4,
                    label=f"p{q}")
         ax.set_xticks(range(len(rated)), names, fontsize=7)
         ax.set(ylabel="ms")
-        ax.set_title(f"{title} at a fixed request rate ({result.get('distribution')} arrivals)", fontsize=10)
+        scope = "" if mixed or not rated else f", {rated[0]['workload']} into {rated[0]['model']}"
+        ax.set_title(f"{title} at a fixed request rate ({result.get('distribution')} arrivals{scope})", fontsize=10)
     for ax, shown in ((axes[0][0], curves), (axes[0][1], curves), (axes[1][0], rated), (axes[1][1], rated)):
         if shown:
             ax.legend(fontsize=7)

@@ -179,7 +179,7 @@ def bench_sere() -> list[dict]:
     rows = []
     # The kernel as the engine launches it, other launch shapes (tokens per program, warps), the reference.
     shapes = {f"triton bt={bt} w={w}": partial(launch_sere, block_t=bt, num_warps=w)
-              for bt, w in ((1, 1), (1, 4), (2, 2), (4, 4), (16, 4))}
+              for bt, w in ((1, 1), (1, 2), (2, 2), (4, 4), (16, 4))}
     for B in (16, 64, 128):
         _, _, ids, _ = skewed_routing(B, gate, direction, seed=B)
         for impl, fn in (("triton", sere_reroute), *shapes.items(), ("torch_reference", sere_reroute_reference)):
@@ -312,10 +312,13 @@ def plot(result: dict, out: Path) -> None:
     a.set(xscale="log", xlabel="tokens per MoE layer call", ylabel="achieved GB/s (expert weights)",
           title="MoE layer, Qwen3-30B-A3B shape, H200")
     a.legend(fontsize=8)
-    for policy in sorted({r["policy"] for r in rows if r["bench"] == "decode_step"}):
-        pts = [(r["batch"], r["time_us"] / 1e3) for r in rows
-               if r["bench"] == "decode_step" and r["impl"] == "engine_step" and r["policy"] == policy]
-        b.plot(*zip(*pts), marker="o", label=policy)
+    # solid: the engine's default, pipelined steps; dashed, same colour: one step at a time
+    for i, policy in enumerate(sorted({r["policy"] for r in rows if r["bench"] == "decode_step"})):
+        for impl, style, suffix in (("engine_step_async", "-", ""), ("engine_step", "--", ", one at a time")):
+            pts = [(r["batch"], r["time_us"] / 1e3) for r in rows
+                   if r["bench"] == "decode_step" and r["impl"] == impl and r["policy"] == policy]
+            if pts:
+                b.plot(*zip(*pts), marker="o", ls=style, color=f"C{i}", label=policy + suffix)
     b.set(xscale="log", xlabel="decode batch", ylabel="TPOT (ms)", title="decode step, 48 layers, CUDA graphs")
     b.legend(fontsize=8)
     fig.tight_layout()
