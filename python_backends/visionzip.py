@@ -102,9 +102,11 @@ def apportion(weights: list[float], total: int, caps: list[int]) -> list[int]:
     unit never ranks below a lighter item's unit at the same or a higher count, so
     n_a >= min(n_b, caps[a]) whenever a ranks before b (w_a > w_b, or w_a == w_b and a < b).
     Webster's divisor (k + 1/2) favours neither heavy nor light items."""
-    ranked = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
-    owner = torch.cat([torch.full((caps[i],), i) for i in ranked])
-    seat = torch.cat([torch.arange(caps[i], dtype=torch.float64) for i in ranked])
+    ranked = torch.tensor(sorted(range(len(weights)), key=lambda i: (-weights[i], i)), dtype=torch.long)
+    ranked_caps = torch.tensor(caps, dtype=torch.long)[ranked]
+    owner = ranked.repeat_interleave(ranked_caps)  # every seat of every item, items by rank
+    starts = ranked_caps.cumsum(0) - ranked_caps
+    seat = (torch.arange(owner.shape[0]) - starts.repeat_interleave(ranked_caps)).double()  # 0, 1, .. per item
     priority = torch.tensor(weights, dtype=torch.float64)[owner] / (seat + 0.5)
     # Laid out by rank, seats ascending: a stable descending sort breaks ties by rank. Division
     # rounds monotonically, so the order argued above survives float64.
@@ -151,27 +153,52 @@ def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: floa
     n_context = 0 if budget == total else min(sum(room), _round_half_up(context_fraction * budget))
     context_counts = apportion([float(d) for d in dropped], n_context, room)
 
-    selections = []
-    for imp, key, n, k, c in zip(importance, keys, sizes, kept_counts, context_counts):
-        order = torch.sort(imp.float(), descending=True, stable=True).indices  # ties: lower token
-        dom = torch.zeros(n, dtype=torch.bool, device=imp.device)
-        dom[order[: k - c]] = True
-        rest = (~dom).nonzero().squeeze(1)
-        # Targets evenly spaced over the remaining tokens in index order (distinct as c <= len(rest)).
-        targets = rest[torch.arange(c, device=rest.device) * len(rest) // c] if c else rest[:0]
-        is_target = torch.zeros(n, dtype=torch.bool, device=dom.device)
-        is_target[targets] = True
-        kept = (dom | is_target).nonzero().squeeze(1)
-        row = torch.full((n,), -1, dtype=torch.long, device=dom.device)
-        row[kept] = torch.arange(len(kept), device=dom.device)
-        assign = row.clone()  # kept tokens map to themselves, the rest to -1 until folded
-        if c:
-            unit = F.normalize(key.float(), dim=-1)
-            folded = rest[~is_target[rest]]
-            nearest = (unit[folded] @ unit[targets].T).argmax(dim=1)  # cosine; ties: first target
-            assign[folded] = row[targets[nearest]]
-        selections.append(ImageSelection(kept=kept, is_context=is_target[kept], assign=assign))
+    selections: list[ImageSelection | None] = [None] * len(importance)
+    for n in dict.fromkeys(sizes):  # one batched pass per image size (a request usually has one or two)
+        same = [i for i, size in enumerate(sizes) if size == n]
+        kept, is_target, assign = _select_same_size(
+            torch.stack([importance[i].float() for i in same]), torch.stack([keys[i] for i in same]),
+            torch.tensor([kept_counts[i] for i in same]), torch.tensor([context_counts[i] for i in same]))
+        # Each image's kept tokens and context flags: one pass over the group, split per image.
+        counts = kept.sum(1).tolist()
+        kept_tokens = kept.nonzero(as_tuple=True)[1].split(counts)
+        context = is_target[kept].split(counts)
+        for row, i in enumerate(same):
+            selections[i] = ImageSelection(kept=kept_tokens[row], is_context=context[row], assign=assign[row])
     return selections
+
+
+def _select_same_size(importance: Tensor, keys: Tensor, kept_counts: Tensor, context_counts: Tensor):
+    """select_tokens' choice for B images of N tokens at once (no per-image loop: a request of 30
+    images is a handful of batched ops, not hundreds of small ones). importance [B, N], keys
+    [B, N, dk], counts [B]. Returns kept and is_target masks [B, N] and assign [B, N]."""
+    b, n = importance.shape
+    tokens = torch.arange(n).expand(b, n)
+    # Dominant: each image's top K_i - C_i by importance, ties to the lower token.
+    order = torch.sort(importance, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, tokens)
+    dominant = rank < (kept_counts - context_counts)[:, None]
+    # Targets: C_i evenly spaced over the remaining tokens in index order (distinct as C_i <= R_i):
+    # slot j takes the remaining token of rank j R_i // C_i, the first token where the running
+    # count of remaining tokens exceeds that rank.
+    slots = torch.arange(int(context_counts.max()) if b else 0)
+    valid = slots[None, :] < context_counts[:, None]  # [B, Cmax]: slot j < C_i is a real target
+    place = slots[None, :] * (n - kept_counts + context_counts)[:, None] // context_counts.clamp_min(1)[:, None]
+    remaining_so_far = (~dominant).long().cumsum(1)
+    targets = torch.searchsorted(remaining_so_far, place + 1).clamp_max(n - 1)  # [B, Cmax] token of each slot
+    is_target = torch.zeros(b, n, dtype=torch.bool)
+    is_target[valid.nonzero(as_tuple=True)[0], targets[valid]] = True
+    kept = dominant | is_target
+    row = torch.where(kept, kept.long().cumsum(1) - 1, -1)  # each kept token's row, in token order
+    assign = row.clone()  # kept tokens map to themselves, the rest to -1 until folded
+    folded = ~kept & valid.any(1, keepdim=True)
+    if folded.any():
+        unit = F.normalize(keys.float(), dim=-1)
+        similarity = unit @ torch.gather(unit, 1, targets[..., None].expand(-1, -1, unit.shape[-1])).transpose(1, 2)
+        similarity.masked_fill_(~valid[:, None, :], float("-inf"))
+        nearest = similarity.argmax(dim=2)  # cosine; ties: first target
+        assign = torch.where(folded, torch.gather(row, 1, torch.gather(targets, 1, nearest)), assign)
+    return kept, is_target, assign
 
 
 def apply_selection(features: Tensor, sel: ImageSelection) -> Tensor:
@@ -180,14 +207,16 @@ def apply_selection(features: Tensor, sel: ImageSelection) -> Tensor:
     token is assigned only itself, so it is copied exactly; a contextual one averages its group."""
     if sel.kept.shape[0] == features.shape[-2]:
         return features  # everything kept (keep_ratio 1.0): nothing is folded, no copy needed
-    # The selection is made on the host (small, branchy); the features may live on the GPU.
-    valid = (sel.assign >= 0).to(features.device)
-    target = sel.assign.to(features.device)[valid]
+    # The selection is made on the host (small, branchy); the features may live on the GPU. Index
+    # arrays and counts are built on the host and copied over, so the device never syncs here.
+    source = (sel.assign >= 0).nonzero().squeeze(1)
+    target = sel.assign[source]
+    counts = torch.bincount(target, minlength=sel.kept.shape[0]).unsqueeze(-1)
+    source, target, counts = (t.to(features.device, non_blocking=True) for t in (source, target, counts))
     # Accumulate in float32 so contextual means of bf16 features do not lose precision.
     sums = features.new_zeros(*features.shape[:-2], sel.kept.shape[0], features.shape[-1],
                               dtype=torch.float32)
-    sums.index_add_(-2, target, features[..., valid, :].float())
-    counts = torch.bincount(target, minlength=sel.kept.shape[0]).unsqueeze(-1)
+    sums.index_add_(-2, target, features.index_select(-2, source).float())
     return (sums / counts).to(features.dtype)
 
 
@@ -232,12 +261,18 @@ def compress(images: list[ImageFeatures], keep_ratio: float, context_fraction: f
     sels = select_tokens([f.importance for f in images], [f.keys for f in images], keep_ratio,
                          context_fraction, min_per_image)
     kept = [len(s.kept) for s in sels]
-    positions = [torch.stack([s.kept // f.grid[1], s.kept % f.grid[1]], dim=1) for f, s in zip(images, sels)]
+    kept_counts = torch.tensor(kept)
+    # (row, col) in the merged grid of every kept token, all images at once, then split per image.
+    tokens = torch.cat([s.kept for s in sels])
+    cols = torch.tensor([f.grid[1] for f in images]).repeat_interleave(kept_counts, output_size=len(tokens))
+    positions = torch.stack([tokens // cols, tokens % cols], dim=1).split(kept)
     if kept == [f.embeds.shape[0] for f in images]:  # nothing dropped (keep 1.0): no copies
         return [ImageTokens(f.embeds, f.deepstack, p, f.grid) for f, p in zip(images, positions)]
-    # One selection over the concatenated tokens of all images: rows of image i shift by its offsets.
-    offsets = torch.tensor([0] + kept[:-1]).cumsum(0).tolist()
-    assign = torch.cat([torch.where(s.assign >= 0, s.assign + o, -1) for s, o in zip(sels, offsets)])
+    # One selection over the concatenated tokens of all images: rows of image i shift by its offset.
+    assign = torch.cat([s.assign for s in sels])
+    offsets = (kept_counts.cumsum(0) - kept_counts).repeat_interleave(torch.tensor([len(s.assign) for s in sels]),
+                                                                      output_size=len(assign))
+    assign = torch.where(assign >= 0, assign + offsets, -1)
     combined = ImageSelection(kept=torch.arange(sum(kept)), is_context=torch.cat([s.is_context for s in sels]),
                               assign=assign)
     embeds = apply_selection(torch.cat([f.embeds for f in images]), combined).split(kept)

@@ -9,7 +9,8 @@ from zipmoe.kernels.attention_importance import patch_importance_reference
 from zipmoe.visionzip import (apply_selection, apportion, distinct_token_count, merged_importance, select_tokens,
                               weigh_images)
 
-MIXES = [[16], [16, 64, 100, 256], [3, 64], [16, 64, 101], [7, 5, 9]]
+# Repeated sizes go through select_tokens' batched pass together (one per size).
+MIXES = [[16], [16, 64, 100, 256], [3, 64], [16, 64, 101], [7, 5, 9], [64, 64, 64], [16, 64, 16, 64, 5]]
 RATIOS = [0.01, 0.1, 0.25, 1 / 3, 0.5, 0.7, 0.95, 1.0]
 
 
@@ -79,6 +80,20 @@ def test_budget_is_met_exactly_and_selection_follows_the_spec(sizes, ratio):
             assert torch.equal(s.kept[s.assign[dropped]], targets[best])
         else:
             assert torch.all(s.assign[dropped] == -1)
+
+
+def test_a_request_of_thirty_same_size_images_follows_the_spec():
+    """The served shape: 30 images of 256 tokens, keys of the vision head width, one batched pass."""
+    importance, keys = _random_request([256] * 30, seed=3, dk=72)
+    for ratio in (0.4, 0.6):
+        sels = select_tokens(importance, keys, ratio, context_fraction=0.05)
+        assert sum(len(s.kept) for s in sels) == _expected_budget([256] * 30, ratio)
+        for s, imp, k in zip(sels, importance, keys):
+            dropped = torch.ones(256, dtype=torch.bool)
+            dropped[s.kept] = False
+            targets = s.kept[s.is_context]
+            unit = F.normalize(k, dim=-1)
+            assert torch.equal(s.kept[s.assign[dropped]], targets[(unit[dropped] @ unit[targets].T).argmax(1)])
 
 
 def test_context_count_and_rounding():
