@@ -133,7 +133,21 @@ def bench_moe(copies: int = 4) -> list[dict]:
         us = graph_time_us(lambda: fused_moe.moe_align(ids, CFG.num_experts, block_m), calls=48)
         rows.append(row("moe_align", "triton_graph", B, us, 0, "topk", union, block_m=block_m))
         print_row(rows[-1])
+        # Uniform routing, the other end from skewed: the largest union and the fewest rows per expert.
+        ids, w = uniform_routing(B, ids.device, seed=B)
+        union = int(torch.unique(ids).numel())
+        us = graph_time_us(lambda: [fused_experts(x, ids, w, gu, dn) for gu, dn in layers], calls=1) / copies
+        rows.append(row("moe_layer", "fused_triton_graph", B, us, union * EXPERT_BYTES + 2 * x.numel() * 2,
+                        "topk uniform", union))
+        print_row(rows[-1])
     return rows
+
+
+def uniform_routing(batch: int, device: torch.device, seed: int):
+    """Every token's K experts drawn uniformly (distinct), equal bf16 weights (as the router gives)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.rand(batch, CFG.num_experts, generator=g, device=device).topk(CFG.top_k, dim=1).indices
+    return ids, torch.full(ids.shape, 1.0 / CFG.top_k, dtype=torch.bfloat16, device=device)
 
 
 def sweep_moe(copies: int = 4) -> list[dict]:
@@ -144,7 +158,9 @@ def sweep_moe(copies: int = 4) -> list[dict]:
     for B in (1, 4, 16, 64, 128):
         x, _, ids, w = skewed_routing(B, gate, direction, seed=B)
         nbytes = int(torch.unique(ids).numel()) * EXPERT_BYTES
-        block_ms = {1: (16,), 4: (16,), 16: (16, 32), 64: (32, 64), 128: (64, 128)}[B]
+        # Per expert a batch of B tokens brings about B x 8 / union rows (13 at 128 tokens, skewed), so
+        # small row tiles are tried at every batch.
+        block_ms = {1: (16,), 4: (16,), 16: (16, 32), 64: (16, 32, 64), 128: (16, 32, 64, 128)}[B]
         for bm in block_ms:
             for bn in (32, 64):
                 for bk in (64, 128):
@@ -304,9 +320,11 @@ def plot(result: dict, out: Path) -> None:
 
     rows, copy = result["rows"], result["copy_gbps"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for impl in sorted({r["impl"] for r in rows if r["bench"] == "moe_layer"}):
-        pts = [(r["batch"], r["gbps"]) for r in rows if r["bench"] == "moe_layer" and r["impl"] == impl]
-        a.plot(*zip(*pts), marker="o", label=impl)
+    for impl, policy in sorted({(r["impl"], r["policy"]) for r in rows if r["bench"] == "moe_layer"}):
+        pts = [(r["batch"], r["gbps"]) for r in rows
+               if r["bench"] == "moe_layer" and r["impl"] == impl and r["policy"] == policy]
+        a.plot(*zip(*pts), marker="o", ls="--" if "uniform" in policy else "-",
+               label=impl + (", uniform routing" if "uniform" in policy else ""))
     a.axhline(copy, color="k", ls="--", label=f"device copy {copy:.0f} GB/s")
     a.axhline(0.8 * copy, color="gray", ls=":", label="80 % of copy")
     a.set(xscale="log", xlabel="tokens per MoE layer call", ylabel="achieved GB/s (expert weights)",
