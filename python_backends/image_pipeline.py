@@ -78,15 +78,28 @@ def smart_resize(height, width, factor: int, min_pixels: int, max_pixels: int):
     return h_out, w_out
 
 
-def preprocess(encoded, cfg: ImageConfig, decode_device: str):
+@dataclass(frozen=True)
+class DecoderOptions:
+    """How the mixed (GPU) backend decodes JPEGs; the CPU backend always upsamples chroma like libjpeg.
+
+    fancy_upsampling: interpolate the chroma planes as libjpeg (PIL, the HF processor) does, so GPU
+    and CPU decodes agree; without it JPEG colour edges differ by up to ~36 of 255 levels.
+    hw_decoder_load: the share of a batch's JPEGs given to the GPU's hardware JPEG decoder (DALI's
+    default 0.65), the rest to nvJPEG's CUDA decoder."""
+    fancy_upsampling: bool = True
+    hw_decoder_load: float = 0.65
+
+
+def preprocess(encoded, cfg: ImageConfig, decode_device: str, decoder: DecoderOptions = DecoderOptions()):
     """The graph: encoded bytes -> (pixels float32 CHW per image, image_sizes int32 [height, width])."""
     # Sizes come from the header (CPU, no decoding), so they are CPU arguments for resize even
     # when the images themselves are decoded on the GPU.
     shape = fn.peek_image_shape(encoded, dtype=types.INT64)  # HWC
     height, width = smart_resize(shape[0], shape[1], cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    # gray/alpha -> RGB. Fancy (interpolating) chroma upsampling makes nvJPEG on the GPU match libjpeg
-    # on the CPU; without it JPEG colour edges differ by up to ~36 of 255 levels.
-    images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB, jpeg_fancy_upsampling=True)
+    # gray/alpha -> RGB, chroma upsampled as `decoder` says (DecoderOptions).
+    gpu = {"hw_decoder_load": decoder.hw_decoder_load} if decode_device == "mixed" else {}
+    images = fn.decoders.image(encoded, device=decode_device, output_type=types.RGB,
+                               jpeg_fancy_upsampling=decoder.fancy_upsampling or decode_device != "mixed", **gpu)
     # Bicubic with antialiasing on downscale, like PIL's BICUBIC that the HF processor uses; the
     # result stays uint8 as in the HF processor (it resizes uint8 images, then rescales).
     images = fn.resize(images, resize_y=fn.cast(height, dtype=types.FLOAT), resize_x=fn.cast(width, dtype=types.FLOAT),
@@ -100,7 +113,7 @@ def preprocess(encoded, cfg: ImageConfig, decode_device: str):
 
 
 def image_pipeline(cfg: ImageConfig, *, batch_size: int, num_threads: int, device_id: int | None, gpu: bool,
-                   padded_rows: bool = False):
+                   padded_rows: bool = False, decoder: DecoderOptions = DecoderOptions()):
     """The pipeline, fed through external_source INPUT_NAME, one feed per run (prefetch_queue_depth=1).
 
     gpu: `mixed` decoding (nvJPEG / hardware decoder) and GPU resize; needs a device_id to run, but
@@ -114,7 +127,7 @@ def image_pipeline(cfg: ImageConfig, *, batch_size: int, num_threads: int, devic
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=1)
     def pipe():
         encoded = fn.external_source(name=INPUT_NAME, dtype=types.UINT8, device="cpu")
-        pixels, sizes = preprocess(encoded, cfg, "mixed" if gpu else "cpu")
+        pixels, sizes = preprocess(encoded, cfg, "mixed" if gpu else "cpu", decoder)
         if padded_rows:
             pixels = fn.pad(fn.reshape(pixels, shape=[-1]), fill_value=0.0)
         return pixels, sizes

@@ -18,7 +18,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from PIL import Image
 
-from ..image_pipeline import INPUT_NAME, ImageConfig, header_pipeline, image_pipeline
+from ..image_pipeline import INPUT_NAME, DecoderOptions, ImageConfig, header_pipeline, image_pipeline
 from ..serving.errors import BadInput
 from ..settings import resolve_device
 from .io import error_response, instance_gpu, load_settings, resolve_checkpoint, strings
@@ -105,8 +105,9 @@ class TritonPythonModel:
         threads = min(8, os.cpu_count() or 1)
         self.header = _Pipe(lambda: header_pipeline(batch_size=self.max_images, num_threads=threads),
                             "not a supported image, or its header is corrupt")
+        decoder = DecoderOptions(settings.jpeg_fancy_upsampling, settings.hw_decoder_load)
         self.image = _Pipe(lambda: image_pipeline(cfg, batch_size=self.max_images, num_threads=threads,
-                                                  device_id=device_id, gpu=device_id is not None),
+                                                  device_id=device_id, gpu=device_id is not None, decoder=decoder),
                            "the image data is corrupt or truncated")
         # The first run of a batch allocates DALI's buffers (on GPU, the first requests of a new
         # shape take up to 1 s): pay that at load, with a full batch.
