@@ -157,8 +157,8 @@ def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: floa
     for n in dict.fromkeys(sizes):  # one batched pass per image size (a request usually has one or two)
         same = [i for i, size in enumerate(sizes) if size == n]
         kept, is_target, assign = _select_same_size(
-            torch.stack([importance[i].float() for i in same]), torch.stack([keys[i] for i in same]),
-            torch.tensor([kept_counts[i] for i in same]), torch.tensor([context_counts[i] for i in same]))
+            torch.stack([importance[i].float() for i in same]), [keys[i] for i in same],
+            [kept_counts[i] for i in same], [context_counts[i] for i in same])
         # Each image's kept tokens and context flags: one pass over the group, split per image.
         counts = kept.sum(1).tolist()
         kept_tokens = kept.nonzero(as_tuple=True)[1].split(counts)
@@ -168,12 +168,17 @@ def select_tokens(importance: list[Tensor], keys: list[Tensor], keep_ratio: floa
     return selections
 
 
-def _select_same_size(importance: Tensor, keys: Tensor, kept_counts: Tensor, context_counts: Tensor):
+def _select_same_size(importance: Tensor, keys: list[Tensor], kept_per_image: list[int],
+                      context_per_image: list[int]):
     """select_tokens' choice for B images of N tokens at once (no per-image loop: a request of 30
-    images is a handful of batched ops, not hundreds of small ones). importance [B, N], keys
-    [B, N, dk], counts [B]. Returns kept and is_target masks [B, N] and assign [B, N]."""
+    images is a handful of batched ops, not hundreds of small ones). importance [B, N], keys B x
+    [N, dk] (read only when tokens are folded), counts per image. Returns kept and is_target masks
+    [B, N] and assign [B, N], on importance's device."""
     b, n = importance.shape
-    tokens = torch.arange(n).expand(b, n)
+    device = importance.device
+    kept_counts = torch.tensor(kept_per_image, device=device)
+    context_counts = torch.tensor(context_per_image, device=device)
+    tokens = torch.arange(n, device=device).expand(b, n)
     # Dominant: each image's top K_i - C_i by importance, ties to the lower token.
     order = torch.sort(importance, dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, tokens)
@@ -181,19 +186,19 @@ def _select_same_size(importance: Tensor, keys: Tensor, kept_counts: Tensor, con
     # Targets: C_i evenly spaced over the remaining tokens in index order (distinct as C_i <= R_i):
     # slot j takes the remaining token of rank j R_i // C_i, the first token where the running
     # count of remaining tokens exceeds that rank.
-    slots = torch.arange(int(context_counts.max()) if b else 0)
+    slots = torch.arange(max(context_per_image), device=device)
     valid = slots[None, :] < context_counts[:, None]  # [B, Cmax]: slot j < C_i is a real target
     place = slots[None, :] * (n - kept_counts + context_counts)[:, None] // context_counts.clamp_min(1)[:, None]
     remaining_so_far = (~dominant).long().cumsum(1)
     targets = torch.searchsorted(remaining_so_far, place + 1).clamp_max(n - 1)  # [B, Cmax] token of each slot
-    is_target = torch.zeros(b, n, dtype=torch.bool)
+    is_target = torch.zeros(b, n, dtype=torch.bool, device=device)
     is_target[valid.nonzero(as_tuple=True)[0], targets[valid]] = True
     kept = dominant | is_target
     row = torch.where(kept, kept.long().cumsum(1) - 1, -1)  # each kept token's row, in token order
     assign = row.clone()  # kept tokens map to themselves, the rest to -1 until folded
     folded = ~kept & valid.any(1, keepdim=True)
     if folded.any():
-        unit = F.normalize(keys.float(), dim=-1)
+        unit = F.normalize(torch.stack(keys).to(device, torch.float32), dim=-1)
         similarity = unit @ torch.gather(unit, 1, targets[..., None].expand(-1, -1, unit.shape[-1])).transpose(1, 2)
         similarity.masked_fill_(~valid[:, None, :], float("-inf"))
         nearest = similarity.argmax(dim=2)  # cosine; ties: first target
@@ -208,7 +213,8 @@ def apply_selection(features: Tensor, sel: ImageSelection) -> Tensor:
     if sel.kept.shape[0] == features.shape[-2]:
         return features  # everything kept (keep_ratio 1.0): nothing is folded, no copy needed
     # The selection is made on the host (small, branchy); the features may live on the GPU. Index
-    # arrays and counts are built on the host and copied over, so the device never syncs here.
+    # arrays and counts are built on the host and copied over: no read-back from the device (a
+    # bool-mask index or a device bincount would wait for it).
     source = (sel.assign >= 0).nonzero().squeeze(1)
     target = sel.assign[source]
     counts = torch.bincount(target, minlength=sel.kept.shape[0]).unsqueeze(-1)

@@ -320,10 +320,11 @@ def plot(result: dict, out: Path) -> None:
 
     rows, copy = result["rows"], result["copy_gbps"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    impls = sorted({r["impl"] for r in rows if r["bench"] == "moe_layer"})
     for impl, policy in sorted({(r["impl"], r["policy"]) for r in rows if r["bench"] == "moe_layer"}):
         pts = [(r["batch"], r["gbps"]) for r in rows
                if r["bench"] == "moe_layer" and r["impl"] == impl and r["policy"] == policy]
-        a.plot(*zip(*pts), marker="o", ls="--" if "uniform" in policy else "-",
+        a.plot(*zip(*pts), marker="o", ls="--" if "uniform" in policy else "-", color=f"C{impls.index(impl)}",
                label=impl + (", uniform routing" if "uniform" in policy else ""))
     a.axhline(copy, color="k", ls="--", label=f"device copy {copy:.0f} GB/s")
     a.axhline(0.8 * copy, color="gray", ls=":", label="80 % of copy")
