@@ -1,5 +1,5 @@
-"""bench_visionzip runs on the CPU at a small size and writes one row per keep ratio and part (no
-timing is asserted); its features are what compress accepts."""
+"""The vision-side replays on the CPU at a small size (no timing is asserted): bench_visionzip writes one
+row per keep ratio and part and its features are what compress accepts; profile_vision writes its tables."""
 from __future__ import annotations
 
 import json
@@ -23,3 +23,15 @@ def test_its_features_keep_the_budget():
     tokens = bench_visionzip.compress(feats, 0.5)
     assert sum(t.embeds.shape[0] for t in tokens) == 32  # round(0.5 * 64)
     assert all(t.deepstack.shape[0] == 3 and t.embeds.dtype.is_floating_point for t in tokens)
+
+
+def test_the_vision_profile_writes_its_tables(tmp_path, tiny_checkpoint):
+    """profile_vision on the CPU with the tiny tower: host operators only (no device kernels there)."""
+    from zipmoe.kernels.benchmarks import profile_vision
+
+    out = tmp_path / "vision"
+    assert profile_vision.main(["--checkpoint", str(tiny_checkpoint), "--load-format", "auto", "--images", "2",
+                                "--size", "64x64", "--reps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert (result["images"], result["size"]) == (2, "64x64") and result["features_ms"] > 0
+    assert result["host_ops"] and all(op["calls"] >= 1 for op in result["host_ops"])
