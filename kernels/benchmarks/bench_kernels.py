@@ -8,6 +8,8 @@ Every time is read against the device-copy bandwidth measured in the same run. P
   router inputs: the fused Triton kernels (in a CUDA graph, as the engine runs them, and eager),
   torch._grouped_mm, and the per-expert loop (the reference). Four copies of the layer rotate so
   that L2 never holds the next call's weights. `moe_align` rows: the align step alone (graphed).
+  Also under uniform routing (graphed fused kernels, policy "topk uniform"), and `moe_prefill` rows:
+  1,024 and 4,672 tokens, eager, fused Triton against torch._grouped_mm (time and TFLOP/s).
 - sere: the re-route kernel per layer-step, as the engine launches it and in other launch shapes,
   vs the reference's device ops (all in a graph).
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
@@ -46,6 +48,8 @@ from .timing import copy_gbps, cuda_time_us, graph_time_us
 # Qwen3-VL-30B-A3B's text decoder, with dummy weights (zipmoe.dummy_weights: routing skewed as trained).
 CFG = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)
 MOE_BATCHES = (1, 4, 16, 64, 128)
+# Prefill-sized MoE calls: a 1k-token chunk, and a 30-image prompt at keep 0.6 (4,608 visual tokens + text).
+MOE_PREFILL_TOKENS = (1024, 4672)
 DECODE_BATCHES = (1, 4, 16, 64)  # 4: about where the business rate decodes (is SERE worth its kernel there?)
 EXPERT_BYTES = 3 * CFG.moe_intermediate_size * CFG.hidden_size * 2
 
@@ -140,6 +144,26 @@ def bench_moe(copies: int = 4) -> list[dict]:
         rows.append(row("moe_layer", "fused_triton_graph", B, us, union * EXPERT_BYTES + 2 * x.numel() * 2,
                         "topk uniform", union))
         print_row(rows[-1])
+    return rows
+
+
+def bench_moe_prefill(copies: int = 2) -> list[dict]:
+    """The MoE layer at prompt sizes, eager as prefill steps run it: the fused Triton kernels (tuned for
+    decode batches) against cuBLAS/CUTLASS grouped GEMMs. Time per layer and the TFLOP/s it reaches."""
+    layers, gate, direction = random_layers(copies)
+    rows = []
+    for T in MOE_PREFILL_TOKENS:
+        x, _, ids, w = skewed_routing(T, gate, direction, seed=T)
+        flops = 2 * T * CFG.top_k * 3 * CFG.hidden_size * CFG.moe_intermediate_size
+        for impl, fn in (("fused_triton_eager", fused_experts), ("grouped_mm_eager", experts_grouped_mm)):
+            try:
+                us = cuda_time_us(lambda: [fn(x, ids, w, gu, dn) for gu, dn in layers], reps=10) / copies
+            except Exception as e:  # a comparator unsupported here is reported, not fatal
+                print(f"moe_prefill {impl} {T} tokens: {type(e).__name__}: {e}")
+                continue
+            rows.append(row("moe_prefill", impl, T, us, 0, "topk", int(torch.unique(ids).numel()),
+                            tflops=round(flops / us / 1e6, 1)))
+            print_row(rows[-1])
     return rows
 
 
@@ -375,6 +399,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         if "moe" in parts:
             save(bench_moe())
+            save(bench_moe_prefill())
         if "sere" in parts:
             save(bench_sere())
         if "importance" in parts:
