@@ -1,7 +1,7 @@
 """Serving benchmark: the real server, measured from the client over gRPC streaming into mm_qa.
 
     python -m zipmoe.clients.bench_serving [--checkpoint DIR] [--set MODEL.PARAMETER=VALUE ...]
-        [--extra-arg=--TRITONSERVER-FLAG ...] [--bench ttft_30img,image_decode,tpot_c1,mixed] [--out PREFIX]
+        [--extra-arg=--TRITONSERVER-FLAG ...] [--bench ttft_30img,image_decode,tpot_c1,mixed,mixed_text] [--out PREFIX]
     python -m zipmoe.clients.bench_serving --url HOST:GRPC [--http-url HOST:HTTP] [--metrics-url HOST:METRICS] ...
 
 Starts one tritonserver on free loopback ports (default checkpoint: the tiny one) unless --url names a
@@ -30,6 +30,9 @@ mixed         --streams text streams decoding back to back (--stream-tokens, ign
               0..100 in itl_ms_quantiles): how far image prefills stall decoding. ttft: the image
               requests' under load; tokens_per_s: the streams' tokens in the window. Streams running
               at the end are read to their end, not cancelled (an mm_qa cancel leaves the decoder going).
+mixed_text    The same, but what arrives is a text-only prompt as long, in decoder tokens, as the image
+              request's (padded from the measured input_token_count): the decoder's prefill without the
+              vision tower's work on the GPU at the same time, so the two causes of stalls separate.
 
 Timestamps are taken in this Python process: on a busy client host its threads add jitter to ITL.
 Writes PREFIX.json {device, copy_gbps, checkpoint, overrides, extra_args, rows} after every bench, then
@@ -56,7 +59,7 @@ from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
 from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
 
-BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed")
+BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed", "mixed_text")
 STAGES = ("preprocess", "image_decode", "vision_encoder", "postprocess")  # Triton statistics read
 VISION = {"vision_forward": "zipmoe_vision_forward_microseconds_total",
           "visionzip": "zipmoe_visionzip_microseconds_total"}
@@ -212,9 +215,25 @@ def bench_tpot(b: Bench) -> list[dict]:
                 experts_read=routing_effect(before, after)["experts_read"] if after else None)]
 
 
-def bench_mixed(b: Bench) -> list[dict]:
+def prompt_tokens(url: str, **inputs) -> int:
+    """The decoder's input_token_count for a request (one generated token)."""
+    return int(np.asarray(timed_stream(url, max_tokens=1, **inputs)[2]["input_token_count"]).reshape(-1)[0])
+
+
+def text_as_long_as(url: str, tokens: int) -> str:
+    """A text prompt of about `tokens` decoder tokens: STORY repeated, its length measured through the
+    server at two repeat counts (the chat template adds a fixed number) and interpolated."""
+    one, two = (prompt_tokens(url, text_input=" ".join([STORY] * k)) for k in (1, 2))
+    per_story, fixed = two - one, 2 * one - two
+    return " ".join([STORY] * max(1, round((tokens - fixed) / per_story)))
+
+
+def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
     a = b.args
     images = [synthetic_jpeg(2000 + i, parse_size(a.image_size[0])) for i in range(a.images)]
+    arrival = {"text_input": QUESTION, "images": images, "visual_keep_ratio": a.mixed_keep}
+    if text_only:  # as many decoder tokens as the image request, without its vision work
+        arrival = {"text_input": text_as_long_as(b.url, prompt_tokens(b.url, **arrival))}
     stop, errors = threading.Event(), []
     requests: list[list[list[float]]] = [[] for _ in range(a.streams)]  # per stream, per request: arrivals
 
@@ -229,8 +248,7 @@ def bench_mixed(b: Bench) -> list[dict]:
 
     def image_request() -> float | None:
         try:
-            start, times, _ = timed_stream(b.url, text_input=QUESTION, images=images, max_tokens=a.ttft_tokens,
-                                           ignore_eos=True, visual_keep_ratio=a.mixed_keep, priority=0)
+            start, times, _ = timed_stream(b.url, max_tokens=a.ttft_tokens, ignore_eos=True, priority=0, **arrival)
             return (times[0] - start) * 1e3
         except ServerError as e:
             errors.append(f"image request: {e}")
@@ -264,13 +282,15 @@ def bench_mixed(b: Bench) -> list[dict]:
         if len(inside) >= 2:
             gaps.extend(np.diff(inside) * 1e3)
             tpots.append((inside[-1] - inside[0]) * 1e3 / (len(inside) - 1))
-    return [row("mixed", a.mixed_keep, b.routing, concurrency=a.streams, images=a.images, n=len(ttfts),
+    what = "a text prompt as long" if text_only else f"{a.images} images"
+    return [row("mixed_text" if text_only else "mixed", a.mixed_keep, b.routing, concurrency=a.streams,
+                images=0 if text_only else a.images, n=len(ttfts),
                 ttft=ttfts, tpot=tpots, itl=gaps, tokens_per_s=tokens / a.duration, itl_ms_p50=pct(gaps, 50),
                 itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
                 image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
                 preemptions=diff(before, after, "zipmoe_preemptions_total"),
                 experts_read=routing_effect(before, after)["experts_read"] if after else None,
-                image_size=a.image_size[0], note=f"{a.streams} streams + {a.images} images every {a.period:g} s")]
+                image_size=a.image_size[0], note=f"{a.streams} streams + {what} every {a.period:g} s")]
 
 
 def run_benches(b: Bench, result: dict, save) -> None:
@@ -280,7 +300,8 @@ def run_benches(b: Bench, result: dict, save) -> None:
             if name == "ttft_30img":
                 rows = [r for size in b.args.image_size for r in bench_ttft(b, parse_size(size))]
             else:
-                rows = {"image_decode": bench_image_decode, "tpot_c1": bench_tpot, "mixed": bench_mixed}[name](b)
+                rows = {"image_decode": bench_image_decode, "tpot_c1": bench_tpot, "mixed": bench_mixed,
+                        "mixed_text": lambda b: bench_mixed(b, text_only=True)}[name](b)
         except Exception as e:  # noqa: BLE001 -- one bench failing leaves the others' rows
             print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             rows = [row(name, note=f"failed: {type(e).__name__}: {e}")]

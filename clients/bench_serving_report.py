@@ -72,9 +72,10 @@ def plot(result: dict, path: Path) -> bool:
     left.set_xticks(range(len(ttft)), [f"{r['image_size']}\nkeep {r['keep_ratio']:g}" for r in ttft], fontsize=8)
     left.set(ylabel="ms")
     left.set_title(f"TTFT p50, {ttft[0]['images'] if ttft else 0} images, server parts stacked", fontsize=10)
-    mixed = [r for r in result["rows"] if r["bench"] == "mixed" and r.get("itl_ms_quantiles")]
+    mixed = [r for r in result["rows"] if r["bench"] in ("mixed", "mixed_text") and r.get("itl_ms_quantiles")]
     for r in mixed:
-        right.plot(r["itl_ms_quantiles"], range(101), label=f"{r['concurrency']} streams + {r['images']} images")
+        arrivals = "text prompts as long" if r["bench"] == "mixed_text" else f"{r['images']} images"
+        right.plot(r["itl_ms_quantiles"], range(101), label=f"{r['concurrency']} streams + {arrivals}")
         right.set_xscale("log")
     right.set(xlabel="inter-token gap, ms", ylabel="percentile")
     right.set_title("mixed: ITL distribution of the text streams", fontsize=10)

@@ -65,6 +65,9 @@ def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
     assert positive(mixed["ttft_ms_p50"], mixed["ttft_ms_p90"], mixed["tpot_ms_p50"], mixed["itl_ms_p50"],
                     mixed["itl_ms_p99"], mixed["tokens_per_s"])
     assert len(mixed["itl_ms_quantiles"]) == 101
+    (text,) = rows["mixed_text"]  # the same load with text-only arrivals as long as the image request
+    assert text["images"] == 0 and text["failed"] == 0 and text["n"] == text["image_requests"] == 3
+    assert positive(text["ttft_ms_p50"], text["itl_ms_p50"], text["itl_ms_p99"], text["tokens_per_s"])
     printed = capsys.readouterr().out
     assert all(name in printed for name in bench_serving.BENCHES) and "wrote" in printed
 
@@ -127,6 +130,7 @@ def test_report_rerenders_a_saved_result(tmp_path, capsys):
     saved = SAVED.read_bytes()
     assert bench_serving_report.main([str(SAVED), "--out", str(tmp_path / "again")]) == 0
     printed = capsys.readouterr().out
-    assert all(name in printed for name in bench_serving.BENCHES) and "NVIDIA H200" in printed
+    benches = {r["bench"] for r in json.loads(saved)["rows"]}  # the saved run predates mixed_text
+    assert all(name in printed for name in benches) and "NVIDIA H200" in printed
     assert (tmp_path / "again.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert SAVED.read_bytes() == saved
