@@ -79,7 +79,8 @@ def bench(images: list[np.ndarray], cfg: ImageConfig, device_id: int | None, rep
         rows.append({"part": part, "fancy_upsampling": None if option is None or not gpu else option.fancy_upsampling,
                      "hw_decoder_load": None if option is None or not gpu else option.hw_decoder_load,
                      "ms": round(ms, 3), "images_per_s": round(n / ms * 1e3, 1)})
-        settings = "" if option is None or not gpu else f"fancy {option.fancy_upsampling!s:5}  hw {option.hw_decoder_load:.2f}"
+        settings = ("" if option is None or not gpu
+                    else f"fancy {option.fancy_upsampling!s:5}  hw {option.hw_decoder_load:.2f}")
         print(f"{part:12s} {settings:24s} {ms:8.2f} ms  {rows[-1]['images_per_s']:8.1f} images/s", flush=True)
     return rows
 

@@ -14,6 +14,9 @@ BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
   it with the final flag once the decoder's stream has ended, as through the ensemble, and no empty
   final response (perf_analyzer 2.51 recorded one with garbage outputs and at times wrote an empty
   profile export). A cancelled or failed request still ends with a FINAL-only response.
+- Readers of a decoupled BLS stream must not wait inside its iterator: with several threads reading
+  and starting streams, the stub can deadlock (serving/doorbell.py). moe_decoder rings a doorbell
+  after each response it hands over; a stream reads one response per ring.
 - There is no way to cancel an in-flight BLS request (`ResponseIterator.cancel()` arrived in
   r25.04), and the client's cancellation does not reach the inner moe_decoder request (nor does it
   through the mm_qa ensemble); the pipeline reads the decoder to its end (serving/pipeline.py).
@@ -27,6 +30,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..image_input import decode_images
+from ..serving import doorbell
+from ..serving.doorbell import Doorbells
 from ..serving.errors import SERVER_BUSY, BadInput, ModelError, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS
 from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED
@@ -70,10 +75,13 @@ def infer(model: str, inputs: dict, outputs: list[str]) -> dict:
 
 
 class DecoderStream:
-    """moe_decoder's responses to the request tagged `tag`; whatever iteration leaves unread, drain() reads."""
+    """moe_decoder's responses to the request tagged `tag`; whatever iteration leaves unread, drain() reads.
+    Each response is read once its doorbell rang, so no thread waits inside the stub's iterator
+    (serving/doorbell.py: the deadlock that waiting there can close)."""
 
-    def __init__(self, responses, tag: str):
-        self._responses, self._tag = responses, tag
+    def __init__(self, responses, tag: str, bells: Doorbells, bell):
+        self._responses, self._tag, self._bells, self._bell = responses, tag, bells, bell
+        self._ended = False  # the last response was read: the iterator now ends without waiting
 
     def cancel(self) -> None:
         """A control call to moe_decoder naming this request's tag (answered at once, read to its end)."""
@@ -83,21 +91,38 @@ class DecoderStream:
             pass
         FINISHED_CALLS.hold(call)
 
+    def _next(self):
+        """The next response once it is buffered, or None when the stream has ended."""
+        if not self._ended and not doorbell.wait(self._bell):
+            pb_utils.Logger.log_warn(f"mm_qa_bls: no doorbell from moe_decoder for {doorbell.RING_TIMEOUT_S:g} s "
+                                     f"(stream {self._tag}): reading anyway")
+        try:
+            response = next(self._responses)
+        except StopIteration:
+            self._bells.discard(self._tag)
+            FINISHED_CALLS.hold(self._responses)
+            return None
+        # moe_decoder's last response of a stream: an error, the empty final one, or the one with a finish_reason.
+        self._ended = response.has_error() or not response.output_tensors() or bool(
+            pb_utils.get_output_tensor_by_name(response, "finish_reason").as_numpy().reshape(-1)[0])
+        return response
+
     def __iter__(self):
-        for response in self._responses:
+        while (response := self._next()) is not None:
             check(response)
             if response.output_tensors():  # not the empty final response
                 yield {name: pb_utils.get_output_tensor_by_name(response, name) for name in DECODER_OUTPUTS}
-        FINISHED_CALLS.hold(self._responses)
 
     def drain(self) -> None:
-        for _ in self._responses:
+        while self._next() is not None:
             pass
-        FINISHED_CALLS.hold(self._responses)
 
 
 class BlsCalls:
-    """serving.pipeline.ModelCalls through BLS."""
+    """serving.pipeline.ModelCalls through BLS. `bells`: this process's doorbells for decoder streams."""
+
+    def __init__(self, bells: Doorbells):
+        self.bells = bells
 
     @staticmethod
     def tokenize(question: str, images: list[bytes]):
@@ -115,11 +140,17 @@ class BlsCalls:
                                        "priority": np.zeros(1, np.int32)}, ENCODER_OUTPUTS)
         return split_features({name: as_torch(t) for name, t in out.items()})
 
-    @staticmethod
-    def decode(inputs: dict) -> DecoderStream:
-        tag = uuid.uuid4().hex  # names the call for DecoderStream.cancel
-        inputs = {**inputs, "request_tag": np.asarray([tag.encode()], np.object_)}
-        return DecoderStream(bls_request("moe_decoder", inputs, DECODER_OUTPUTS).exec(decoupled=True), tag)
+    def decode(self, inputs: dict) -> DecoderStream:
+        tag = uuid.uuid4().hex  # names the call for DecoderStream.cancel and for its doorbell
+        inputs = {**inputs, "request_tag": np.asarray([tag.encode()], np.object_),
+                  "response_doorbell": np.asarray([self.bells.path.encode()], np.object_)}
+        bell = self.bells.open(tag)  # before the call: its first rings may come before exec() returns
+        try:
+            responses = bls_request("moe_decoder", inputs, DECODER_OUTPUTS).exec(decoupled=True)
+        except Exception:
+            self.bells.discard(tag)
+            raise
+        return DecoderStream(responses, tag, self.bells, bell)
 
     @staticmethod
     def is_last(outputs: dict) -> bool:
@@ -167,7 +198,8 @@ class TritonPythonModel:
         self.metrics = {name: (families.gauge if name in GAUGES else families.counter)(*metric)
                         for name, metric in METRICS.items()}
         self.degraded = families.labelled_counters(*DEGRADED, "priority", DEGRADABLE)
-        self.pipeline = QAPipeline(BlsCalls(), config, vision_encoder_visionzip(args), publish=self._publish,
+        self.bells = Doorbells()
+        self.pipeline = QAPipeline(BlsCalls(self.bells), config, vision_encoder_visionzip(args), publish=self._publish,
                                    log_error=pb_utils.Logger.log_error,
                                    level=LevelReader(segment_path(args["model_repository"])).read)
 
@@ -199,3 +231,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.pipeline.shutdown()
+        self.bells.close()

@@ -18,6 +18,7 @@ from ..engine.parallel_engine import make_engine
 from ..serving.decode_request import DecodeRequest, DecodeResponse, VisualTokens
 from ..serving.decoder import DecoderService
 from ..serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
+from ..serving.doorbell import Ring
 from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
 from ..serving.shared_level import LevelWriter, segment_path
@@ -30,15 +31,21 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class Sink:
     """One request's response sender, as the service's ResponseSink. It builds only the outputs the
-    request asked for: the stub must drop none (stub_safety)."""
+    request asked for: the stub must drop none (stub_safety). A BLS caller that gave a doorbell
+    (serving/doorbell.py) hears one ring per response, once the response is in its hands."""
 
-    def __init__(self, sender, wanted: frozenset[str]):
-        self.sender, self.wanted = sender, wanted
+    def __init__(self, sender, wanted: frozenset[str], ring: Ring | None = None):
+        self.sender, self.wanted, self.ring = sender, wanted, ring
+
+    def _send(self, response, flags: int) -> None:
+        self.sender.send(response, flags=flags)
+        if self.ring is not None:
+            self.ring.ring()
 
     def send(self, response: DecodeResponse | None, final: bool) -> None:
         flags = FINAL if final else 0
         if response is None:
-            self.sender.send(None, flags=flags)
+            self._send(None, flags)
             return
         arrays = {
             "output_ids": response.output_ids,
@@ -50,10 +57,10 @@ class Sink:
             "visual_keep_ratio_used": np.asarray([response.visual_keep_ratio_used], dtype=np.float32),
         }
         out = [pb_utils.Tensor(name, value) for name, value in arrays.items() if name in self.wanted]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=flags)
+        self._send(pb_utils.InferenceResponse(output_tensors=out), flags)
 
     def send_error(self, message: str, busy: bool = False) -> None:
-        self.sender.send(error_response(pb_utils, message, busy), flags=FINAL)
+        self._send(error_response(pb_utils, message, busy), FINAL)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -114,6 +121,9 @@ class TritonPythonModel:
         for request in requests:
             sink = Sink(request.get_response_sender(), requested_outputs(request))
             try:
+                doorbell = scalar(pb_utils, request, "response_doorbell", None, str)
+                if doorbell is not None:
+                    sink.ring = Ring(doorbell, scalar(pb_utils, request, "request_tag", "", str))
                 cancel = scalar(pb_utils, request, "cancel", None, str)
                 if cancel is not None:  # a control call: stop the request tagged so, answer this one at once
                     self.service.cancel(cancel)
