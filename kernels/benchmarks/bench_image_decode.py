@@ -15,10 +15,7 @@ Writes OUT.json {device, images, size, rows: [{part, fancy_upsampling, hw_decode
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +27,8 @@ from nvidia.dali import pipeline_def
 from zipmoe.clients.bench_common import parse_size, synthetic_jpeg
 from zipmoe.image_pipeline import INPUT_NAME, DecoderOptions, ImageConfig, header_pipeline, image_pipeline
 from zipmoe.serve import REAL_SHAPE_CHECKPOINT
+
+from .timing import wall_ms, write_result
 
 HW_DECODER_LOADS = (0.65, 0.9, 1.0)
 
@@ -49,20 +48,14 @@ def decode_only(batch_size: int, threads: int, device_id: int | None, decoder: D
 
 
 def run_ms(pipe, images: list[np.ndarray], reps: int, gpu: bool) -> float:
-    """Median wall milliseconds of one fed run, device idle at both ends (two warm-up runs first)."""
+    """Median wall milliseconds of one fed run, as the model feeds it (two warm-up runs first)."""
     pipe.build()
-    times = []
-    for i in range(reps + 2):
-        if gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def run():
         pipe.feed_input(INPUT_NAME, images)
         pipe.run()
-        if gpu:
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+
+    return wall_ms(run, gpu, reps, warmup=2)
 
 
 def bench(images: list[np.ndarray], cfg: ImageConfig, device_id: int | None, reps: int) -> list[dict]:
@@ -99,10 +92,7 @@ def main(argv=None) -> int:
     rows = bench(images, ImageConfig.from_checkpoint(args.checkpoint), device_id, args.reps)
     if args.out:
         name = torch.cuda.get_device_name() if device_id is not None else "cpu"
-        result = {"device": name, "images": args.images, "size": args.size, "rows": rows}
-        args.out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out.with_suffix('.json')}")
+        write_result(args.out, {"device": name, "images": args.images, "size": args.size, "rows": rows})
     return 0
 
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from zipmoe.serve import REAL_SHAPE_CHECKPOINT
 from zipmoe.visionzip import ImageFeatures, compress, decoder_inputs, select_tokens
+
+from .timing import wall_ms, write_result
 
 KEEP_RATIOS = (1.0, 0.6, 0.4)
 
@@ -49,20 +49,6 @@ def make_features(images: int, tokens: int, width: int, layers: int, key_dim: in
     return feats
 
 
-def wall_ms(fn, device: str, reps: int) -> float:
-    """Median wall milliseconds of fn() over reps calls after one warm-up, the device idle at both ends."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def bench(feats: list[ImageFeatures], device: str, reps: int, keep_ratios=KEEP_RATIOS) -> list[dict]:
     width, layers = feats[0].embeds.shape[1], feats[0].deepstack.shape[0]
     parts = {
@@ -73,7 +59,8 @@ def bench(feats: list[ImageFeatures], device: str, reps: int, keep_ratios=KEEP_R
     rows = []
     for keep in keep_ratios:
         for part, fn in parts.items():
-            rows.append({"keep_ratio": keep, "part": part, "ms": round(wall_ms(lambda: fn(keep), device, reps), 3)})
+            rows.append({"keep_ratio": keep, "part": part,
+                         "ms": round(wall_ms(lambda: fn(keep), device == "cuda", reps), 3)})
             print(f"keep {keep:.1f}  {part:26s} {rows[-1]['ms']:8.2f} ms", flush=True)
     return rows
 
@@ -106,10 +93,7 @@ def main(argv=None) -> int:
         profile(feats, args.device)
     if args.out:
         name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        result = {"device": name, "images": args.images, "tokens_per_image": args.tokens, "rows": rows}
-        args.out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out.with_suffix('.json')}")
+        write_result(args.out, {"device": name, "images": args.images, "tokens_per_image": args.tokens, "rows": rows})
     return 0
 
 

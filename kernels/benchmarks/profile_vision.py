@@ -14,9 +14,6 @@ Writes OUT.json {device, images, size, features_ms, kernel_ms, kernels: [...], h
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -27,19 +24,7 @@ from zipmoe.serve import REAL_SHAPE_CHECKPOINT
 from zipmoe.vision import VisionEncoder
 
 from .profile_decode import short_name
-
-
-def timed_ms(fn, device: torch.device, reps: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from .timing import wall_ms, write_result
 
 
 def profile_features(encoder: VisionEncoder, images: list[torch.Tensor], top: int) -> dict:
@@ -80,7 +65,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     # Normalised CHW, already on the device, as image_decode hands them over on a GPU.
     images = [torch.randn(3, height, width, generator=g).to(device) for _ in range(args.images)]
-    features_ms = timed_ms(lambda: encoder.features(images), device, args.reps)
+    features_ms = wall_ms(lambda: encoder.features(images), device.type == "cuda", args.reps)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "images": args.images,
               "size": args.size, "features_ms": round(features_ms, 2), **profile_features(encoder, images, args.top)}
     print(f"features(): {features_ms:.1f} ms for {args.images} images of {args.size}; "
@@ -91,9 +76,7 @@ def main(argv=None) -> int:
     for op in result["host_ops"][:12]:
         print(f"  {op['self_ms']:8.2f} ms  x{op['calls']:<5d} {op['op']}")
     if args.out:
-        args.out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out.with_suffix('.json')}")
+        write_result(args.out, result)
     return 0
 
 

@@ -1,8 +1,12 @@
-"""CUDA timing shared by the benchmarks: event medians, graph replays, and the copy bandwidth
-that every achieved-bandwidth figure is read against."""
+"""Timing shared by the benchmarks: CUDA event medians, graph replays, wall-clock medians of work
+that spans the host and the device, the copy bandwidth that every achieved-bandwidth figure is read
+against, and the result file a benchmark writes."""
 from __future__ import annotations
 
+import json
 import statistics
+import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,3 +62,27 @@ def copy_gbps(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     us = cuda_time_us(lambda: dst.copy_(src), warmup=3, reps=20)
     return 2 * nbytes / us / 1e3
+
+
+def wall_ms(fn: Callable[[], object], cuda: bool, reps: int, warmup: int = 1) -> float:
+    """Median wall milliseconds of fn() over `reps` calls after `warmup`, the device idle at both ends
+    of each (cuda: synchronised): host work and device work together, as a model's request sees them."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def write_result(prefix: Path, result: dict) -> None:
+    """PREFIX.json, its folder made if needed."""
+    path = prefix.with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")

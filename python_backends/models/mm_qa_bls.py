@@ -74,6 +74,11 @@ def infer(model: str, inputs: dict, outputs: list[str]) -> dict:
     return {name: pb_utils.get_output_tensor_by_name(response, name) for name in outputs}
 
 
+def ends_answer(finish_reason) -> bool:
+    """A moe_decoder response's finish_reason tensor says the answer ends here (empty until then)."""
+    return bool(finish_reason.as_numpy().reshape(-1)[0])
+
+
 class DecoderStream:
     """moe_decoder's responses to the request tagged `tag`; whatever iteration leaves unread, drain() reads.
     Each response is read once its doorbell rang, so no thread waits inside the stub's iterator
@@ -103,8 +108,8 @@ class DecoderStream:
             FINISHED_CALLS.hold(self._responses)
             return None
         # moe_decoder's last response of a stream: an error, the empty final one, or the one with a finish_reason.
-        self._ended = response.has_error() or not response.output_tensors() or bool(
-            pb_utils.get_output_tensor_by_name(response, "finish_reason").as_numpy().reshape(-1)[0])
+        self._ended = response.has_error() or not response.output_tensors() or ends_answer(
+            pb_utils.get_output_tensor_by_name(response, "finish_reason"))
         return response
 
     def __iter__(self):
@@ -154,7 +159,7 @@ class BlsCalls:
 
     @staticmethod
     def is_last(outputs: dict) -> bool:
-        return bool(outputs["finish_reason"].as_numpy().reshape(-1)[0])
+        return ends_answer(outputs["finish_reason"])
 
     @staticmethod
     def detokenize(outputs: dict):
