@@ -19,7 +19,8 @@ ttft_30img    One request at a time, idle server: --images JPEGs of --image-size
               TTFT beyond their sum is ensemble hand-offs, Python-backend IPC and gRPC.
 image_decode  --decode-images JPEGs of --decode-size straight to image_decode (gRPC infer, only
               image_sizes returned). images_per_s: images / the server's compute_infer per request;
-              client_images_per_s adds IPC and gRPC.
+              client_images_per_s adds IPC and gRPC. phases_ms: the model's own counters per request
+              (input, check, pipeline, output) and `response`, the compute time beyond them.
 tpot_c1       One text request at a time, --tpot-tokens tokens, ignore_eos: tpot = (last - first
               response) / (tokens - 1), a batch-1 decode step plus the per-token serving path;
               server_tpot_ms is moe_decoder's own. The TPOT target compares against the engine-only
@@ -61,6 +62,8 @@ from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metr
 
 BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed", "mixed_text")
 STAGES = ("preprocess", "image_decode", "vision_encoder", "postprocess")  # Triton statistics read
+IMAGE_DECODE_PHASES = {p: f"zipmoe_image_decode_{p}_microseconds_total" for p in ("input", "check", "pipeline", "output")}
+IMAGE_DECODE_REQUESTS = "zipmoe_image_decode_requests_total"
 VISION = {"vision_forward": "zipmoe_vision_forward_microseconds_total",
           "visionzip": "zipmoe_visionzip_microseconds_total"}
 QUESTION = "What do these pictures show? Answer briefly."
@@ -179,10 +182,11 @@ def bench_image_decode(b: Bench) -> list[dict]:
     try:
         for _ in range(a.warmup):
             client.infer("image_decode", [tensor], outputs=outputs)
-        before, start = settled(lambda: b.stats("image_decode")), time.perf_counter()
+        read = lambda: (b.stats("image_decode"), b.scrape())  # noqa: E731
+        (before, mb), start = settled(read), time.perf_counter()
         for _ in range(a.n):
             result = client.infer("image_decode", [tensor], outputs=outputs)
-        wall, after = time.perf_counter() - start, settled(lambda: b.stats("image_decode"))
+        wall, (after, ma) = time.perf_counter() - start, settled(read)
     finally:
         client.close()
     compute_ms = None
@@ -192,7 +196,19 @@ def bench_image_decode(b: Bench) -> list[dict]:
     h, w = result.as_numpy("image_sizes")[0].tolist()
     return [row("image_decode", images=len(images), n=a.n, images_per_s=len(images) * 1e3 / compute_ms
                 if compute_ms else None, image_size=a.decode_size, resized=f"{w}x{h}",
-                compute_ms_per_request=compute_ms, client_images_per_s=len(images) * a.n / wall)]
+                compute_ms_per_request=compute_ms, client_images_per_s=len(images) * a.n / wall,
+                phases_ms=decode_phases(mb, ma, compute_ms))]
+
+
+def decode_phases(before: dict, after: dict, compute_ms: float | None) -> dict | None:
+    """image_decode's own counters per request (ms); `response`: Triton's compute time beyond them."""
+    requests = diff(before, after, IMAGE_DECODE_REQUESTS)
+    if not requests:
+        return None
+    phases = {p: round(diff(before, after, name) / requests / 1e3, 3) for p, name in IMAGE_DECODE_PHASES.items()}
+    if compute_ms is not None:
+        phases["response"] = round(compute_ms - sum(phases.values()), 3)
+    return phases
 
 
 def bench_tpot(b: Bench) -> list[dict]:

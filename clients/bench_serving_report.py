@@ -36,7 +36,7 @@ def table(result: dict) -> str:
                      f"{r['concurrency']:>4} {r['images']:>4} {r['n']:>4} {fmt(r['ttft_ms_p50']):>8}/"
                      f"{fmt(r['ttft_ms_p90']):<8} {fmt(r['tpot_ms_p50'], '.2f'):>7}/{fmt(r['tpot_ms_p90'], '.2f'):<8} "
                      f"{fmt(r['itl_ms_p99'], '.2f'):>8} {fmt(r['tokens_per_s']):>8} {fmt(r['images_per_s']):>8}")
-        extra = {k: r[k] for k in ("breakdown_ms", "client_images_per_s", "resized", "server_tpot_ms", "itl_ms_p50",
+        extra = {k: r[k] for k in ("breakdown_ms", "phases_ms", "client_images_per_s", "resized", "server_tpot_ms", "itl_ms_p50",
                                    "experts_read", "failed", "first_error", "note") if r.get(k) is not None}
         if extra:
             lines.append("    " + "; ".join(f"{k}: " + (", ".join(f"{p} {fmt(v, '.2f')}" for p, v in x.items())

@@ -87,7 +87,7 @@ class DecoderOptions:
     hw_decoder_load: the share of a batch's JPEGs given to the GPU's hardware JPEG decoder (DALI's
     default 0.65), the rest to nvJPEG's CUDA decoder."""
     fancy_upsampling: bool = True
-    hw_decoder_load: float = 0.65
+    hw_decoder_load: float = 0.9
 
 
 def preprocess(encoded, cfg: ImageConfig, decode_device: str, decoder: DecoderOptions = DecoderOptions()):

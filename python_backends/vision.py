@@ -35,15 +35,53 @@ from .visionzip import ImageFeatures, check_budget_weighting, merged_importance,
 VISUAL_PREFIX = "model.visual."
 
 
-def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
-    """CHW image -> [grid_h*grid_w, C*temporal*patch*patch] in Qwen's flatten order (each merge x merge
-    window's patches consecutive), the image repeated `temporal` times as transformers does."""
+def patch_view(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """CHW image -> a view [gh/m, gw/m, m, m, C, T, p, p] (no copy): patchify's rows before flattening."""
     c, h, w = image.shape
     gh, gw = h // patch, w // patch
     x = image.unsqueeze(0).expand(temporal, c, h, w)
     x = x.reshape(temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
-    x = x.permute(2, 5, 3, 6, 1, 0, 4, 7)  # gh/m, gw/m, m, m, C, T, p, p
-    return x.reshape(gh * gw, c * temporal * patch * patch)
+    return x.permute(2, 5, 3, 6, 1, 0, 4, 7)
+
+
+def patchify(image: torch.Tensor, patch: int, merge: int, temporal: int) -> torch.Tensor:
+    """CHW image -> [grid_h*grid_w, C*temporal*patch*patch] in Qwen's flatten order (each merge x merge
+    window's patches consecutive), the image repeated `temporal` times as transformers does."""
+    c, h, w = image.shape
+    return patch_view(image, patch, merge, temporal).reshape((h // patch) * (w // patch), c * temporal * patch * patch)
+
+
+class GridInputs:
+    """What the tower derives from each image's patch grid (position-embedding interpolation indices
+    and weights, rotary position ids), kept on the device per grid: transformers builds them on the
+    host for every request, about 7 ms of small CPU ops for 30 images of 1,024 patches plus their
+    copies to the GPU, all before the first kernel. They depend on the grid alone, and an image's
+    rows are the same whatever else is in the batch (tested), so a request's are one concatenation."""
+
+    def __init__(self, num_grid_per_side: int, merge: int, mode: str, align_corners: bool, device: torch.device,
+                 max_grids: int = 256):
+        self._side, self._merge, self._mode, self._align = num_grid_per_side, merge, mode, align_corners
+        self._device, self._max = device, max_grids
+        self._cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _one(self, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if grid not in self._cache:
+            if len(self._cache) >= self._max:  # many distinct sizes: forget the oldest
+                del self._cache[next(iter(self._cache))]
+            thw = torch.tensor([[1, *grid]])
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                thw, self._side, mode=self._mode, align_corners=self._align, spatial_merge_size=self._merge)
+            positions = get_vision_position_ids(thw, self._merge)
+            self._cache[grid] = tuple(t.to(self._device) for t in (indices, weights, positions))
+        return self._cache[grid]
+
+    def __call__(self, grids: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Patch grids (h, w) of a batch's images -> the tower's precomputed keyword arguments."""
+        parts = [self._one(g) for g in grids]
+        thw = torch.tensor([[1, h, w] for h, w in grids])
+        indices, weights, positions = (torch.cat(column) for column in zip(*parts))
+        return dict(grid_thw=thw.to(self._device), cu_seqlens=get_vision_cu_seqlens(thw).to(self._device),
+                    position_ids=positions, interp_indices=indices, interp_weights=weights)
 
 
 def pixels_of(image, mean: float | torch.Tensor = 0.5, std: float | torch.Tensor = 0.5) -> torch.Tensor:
@@ -104,6 +142,8 @@ class VisionEncoder:
         self.model = model.to(device=device, dtype=dtype).eval()
         linear_patch_embed(self.model.patch_embed)
         self.device, self.dtype = device, dtype
+        self._grid_inputs = GridInputs(model.num_grid_per_side, self.merge, model.interpolation_mode,
+                                       model.interpolation_align_corners, device)
         self._importance_layer = importance_layer % vcfg.depth
         self._captured: dict[str, torch.Tensor] = {}
         self._groups: list[tuple[int, slice | torch.Tensor]] = []  # set by features() for one forward
@@ -142,27 +182,26 @@ class VisionEncoder:
         if not images:
             return []
         make_current(self.device)  # the patch_importance kernel launches on the calling thread's current GPU
-        grids = torch.tensor([[1, im.shape[1] // self.patch, im.shape[2] // self.patch] for im in images])
-        # What transformers would derive from grid_thw on the device (a per-image loop and host syncs),
-        # built once here from the host grids and handed over through its precompute kwargs.
-        interp_indices, interp_weights = get_vision_interpolation_indices_and_weights(
-            grids, self.model.num_grid_per_side, mode=self.model.interpolation_mode,
-            align_corners=self.model.interpolation_align_corners, spatial_merge_size=self.merge)
-        cu_seqlens = get_vision_cu_seqlens(grids)
-        precomputed = dict(grid_thw=grids, cu_seqlens=cu_seqlens,
-                           position_ids=get_vision_position_ids(grids, self.merge),
-                           interp_indices=interp_indices, interp_weights=interp_weights)
-        precomputed = {name: t.to(self.device) for name, t in precomputed.items()}
-        groups = attention_groups(cu_seqlens.diff().tolist(), self.device)  # read by _attention in every layer
-        pixels = torch.cat([patchify(im.to(self.device, torch.float32), self.patch, self.merge, self.temporal)
-                            for im in images]).to(self.dtype)
+        sizes = [(im.shape[1] // self.patch, im.shape[2] // self.patch) for im in images]
+        # What transformers would derive from grid_thw (a per-image loop and host syncs), from the
+        # per-grid cache and handed over through its precompute kwargs.
+        precomputed = self._grid_inputs(sizes)
+        groups = attention_groups([h * w for h, w in sizes], self.device)  # read by _attention in every layer
+        # Each image's patch rows written straight into one bf16 buffer: a copy-and-cast per image.
+        width = 3 * self.temporal * self.patch * self.patch
+        pixels = torch.empty(sum(h * w for h, w in sizes), width, dtype=self.dtype, device=self.device)
+        start = 0
+        for im, (h, w) in zip(images, sizes):
+            view = patch_view(im.to(self.device), self.patch, self.merge, self.temporal)
+            pixels[start:start + h * w].view(view.shape).copy_(view)
+            start += h * w
         self._groups = groups
         try:
             out = self.model(pixels, return_dict=True, **precomputed)
         finally:
             self._groups = []
         unit = self.merge * self.merge
-        per_image = (grids.prod(-1) // unit).tolist()
+        per_image = [h * w // unit for h, w in sizes]
         embeds = out.pooler_output.split(per_image)
         deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)  # each [L, N_i, D]
         c, self._captured = self._captured, {}  # do not keep the batch's q/k alive until the next call
@@ -174,5 +213,5 @@ class VisionEncoder:
         # Token selection is small and branchy: it runs on the host, one copy of [N] + [N, d] values.
         importance, keys = importance.cpu().split(per_image), keys.cpu().split(per_image)
         return [ImageFeatures(embeds[i], deepstack[i], importance[i], keys[i],
-                              (int(grids[i, 1]) // self.merge, int(grids[i, 2]) // self.merge))
+                              (sizes[i][0] // self.merge, sizes[i][1] // self.merge))
                 for i in range(len(images))]

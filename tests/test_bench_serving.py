@@ -56,6 +56,10 @@ def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
     (decode,) = rows["image_decode"]
     assert decode["images"] == 4 and decode["n"] == 2
     assert positive(decode["images_per_s"], decode["client_images_per_s"], decode["compute_ms_per_request"])
+    phases = decode["phases_ms"]  # image_decode's own counters; the rest of its compute time is the response
+    assert list(phases) == ["input", "check", "pipeline", "output", "response"]
+    assert positive(phases["pipeline"]) and all(v >= 0 for k, v in phases.items() if k != "response")
+    assert sum(phases.values()) == pytest.approx(decode["compute_ms_per_request"], abs=0.01)
     (tpot,) = rows["tpot_c1"]
     assert tpot["tokens"] == 8 and tpot["n"] == 2
     assert positive(tpot["ttft_ms_p50"], tpot["tpot_ms_p50"], tpot["tpot_ms_p90"], tpot["itl_ms_p99"],

@@ -35,3 +35,22 @@ def test_the_vision_profile_writes_its_tables(tmp_path, tiny_checkpoint):
     result = json.loads(out.with_suffix(".json").read_text())
     assert (result["images"], result["size"]) == (2, "64x64") and result["features_ms"] > 0
     assert result["host_ops"] and all(op["calls"] >= 1 for op in result["host_ops"])
+
+
+def test_the_gpu_timeline_finds_the_idle_gaps():
+    """gpu_timeline on made-up profiler events (microseconds): busy time merges overlapping kernels,
+    gaps are named by the kernel that ends them, all relative to the features() call."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from zipmoe.kernels.benchmarks.profile_vision import gpu_timeline
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    event = lambda name, kind, start, end: NS(name=name, device_type=kind, time_range=NS(start=start, end=end))  # noqa: E731
+    events = [event("features", cpu, 0, 10_000), event("a", cuda, 2_000, 3_000), event("b", cuda, 2_500, 4_000),
+              event("c", cuda, 7_000, 8_000), event("d", cuda, 8_500, 9_000)]
+    t = gpu_timeline(events)
+    assert (t["call_ms"], t["first_kernel_after_ms"], t["last_kernel_end_after_ms"]) == (10.0, 2.0, 9.0)
+    assert (t["gpu_busy_ms"], t["gpu_idle_ms"]) == (3.5, 3.5)
+    assert t["idle_gaps"] == [{"ms": 3.0, "before": "c"}, {"ms": 0.5, "before": "d"}]

@@ -115,3 +115,23 @@ def test_patch_embedding_as_a_gemm_equals_the_conv3d(stock):
     reference = embed(x)
     linear_patch_embed(embed)
     torch.testing.assert_close(embed(x), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_grid_inputs_are_transformers_own_for_any_mix_of_sizes():
+    """The per-grid cache gives, for a batch of images of any sizes in any order, exactly what
+    transformers builds for the whole batch; a full cache forgets its oldest grid and stays right."""
+    from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
+                                           get_vision_position_ids)
+
+    from zipmoe.vision import GridInputs
+
+    cache = GridInputs(48, 2, "bilinear", True, torch.device("cpu"), max_grids=2)
+    for grids in ([(32, 32), (16, 24), (32, 32), (8, 40)], [(8, 40)], [(4, 4), (32, 32), (16, 24), (4, 4)]):
+        thw = torch.tensor([[1, h, w] for h, w in grids])
+        indices, weights = get_vision_interpolation_indices_and_weights(thw, 48, mode="bilinear", align_corners=True,
+                                                                        spatial_merge_size=2)
+        got = cache(grids)
+        assert torch.equal(got["grid_thw"], thw) and torch.equal(got["cu_seqlens"], get_vision_cu_seqlens(thw))
+        assert torch.equal(got["position_ids"], get_vision_position_ids(thw, 2))
+        assert torch.equal(got["interp_indices"], indices) and torch.equal(got["interp_weights"], weights)
+        assert len(cache._cache) <= 2

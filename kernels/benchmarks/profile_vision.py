@@ -8,7 +8,8 @@ This builds the same tower (`vision.VisionEncoder`, `load_format` dummy over
 checkpoints/qwen3-vl-30b-a3b, bf16 on the GPU), times `features()` (the forward, the importance
 kernel, the budget weighting and the copy of importance and keys to the host) with the device
 synchronised, then profiles one call with torch.profiler: the device kernels by total time (with
-their launches) and the host operators by self time, so the next target is visible.
+their launches), the GPU's busy time and idle gaps inside the call (and the kernel after each gap),
+and the host operators by self time, so the next target is visible.
 Writes OUT.json {device, images, size, features_ms, kernel_ms, kernels: [...], host_ops: [...]}.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from zipmoe.clients.bench_common import parse_size
 from zipmoe.serve import REAL_SHAPE_CHECKPOINT
@@ -31,9 +32,11 @@ def profile_features(encoder: VisionEncoder, images: list[torch.Tensor], top: in
     cuda = encoder.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        encoder.features(images)
+        with record_function("features"):
+            encoder.features(images)
         if cuda:
             torch.cuda.synchronize()
+    timeline = gpu_timeline(prof.events()) if cuda else {}
     events = prof.key_averages()
     kernels = sorted(((short_name(e.key), e.device_time_total / 1e3, e.count) for e in events
                       if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0),
@@ -42,10 +45,33 @@ def profile_features(encoder: VisionEncoder, images: list[torch.Tensor], top: in
                    if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0),
                   key=lambda k: -k[1])
     total = sum(ms for _, ms, _ in kernels)
-    return {"kernel_ms": round(total, 2),
+    return {"kernel_ms": round(total, 2), **timeline,
             "kernels": [{"kernel": name, "ms": round(ms, 3), "share": round(ms / total, 4) if total else 0.0,
                          "launches": count} for name, ms, count in kernels[:top]],
             "host_ops": [{"op": name, "self_ms": round(ms, 3), "calls": count} for name, ms, count in host[:top]]}
+
+
+def gpu_timeline(events, gaps: int = 8) -> dict:
+    """When the GPU worked inside the profiled features() call: the wait before its first kernel,
+    the time it was busy (kernels' intervals merged), and its longest idle gaps, each with the
+    kernel that ended the gap. A GPU idle while the host works is time the host, not the math, costs."""
+    call = next(e for e in events if e.name == "features")
+    kernels = sorted((e.time_range.start, e.time_range.end, short_name(e.name)) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return {}
+    busy, idle, end = 0.0, [], kernels[0][0]
+    for start, stop, name in kernels:
+        if start > end:
+            idle.append((start - end, name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    idle.sort(reverse=True)
+    return {"call_ms": round((call.time_range.end - call.time_range.start) / 1e3, 2),
+            "first_kernel_after_ms": round((kernels[0][0] - call.time_range.start) / 1e3, 2),
+            "gpu_busy_ms": round(busy / 1e3, 2), "gpu_idle_ms": round(sum(g for g, _ in idle) / 1e3, 2),
+            "last_kernel_end_after_ms": round((end - call.time_range.start) / 1e3, 2),
+            "idle_gaps": [{"ms": round(g / 1e3, 3), "before": name} for g, name in idle[:gaps]]}
 
 
 def main(argv=None) -> int:
@@ -72,6 +98,11 @@ def main(argv=None) -> int:
           f"kernels {result['kernel_ms']:.1f} ms", flush=True)
     for k in result["kernels"]:
         print(f"  {k['ms']:8.2f} ms {100 * k['share']:5.1f} %  x{k['launches']:<5d} {k['kernel']}")
+    if "gpu_busy_ms" in result:
+        print(f"profiled call {result['call_ms']:.1f} ms: first kernel after {result['first_kernel_after_ms']:.1f} ms, "
+              f"GPU busy {result['gpu_busy_ms']:.1f} ms, idle {result['gpu_idle_ms']:.1f} ms; longest gaps:")
+        for gap in result["idle_gaps"]:
+            print(f"  {gap['ms']:8.2f} ms before {gap['before']}")
     print("host operators by self time:")
     for op in result["host_ops"][:12]:
         print(f"  {op['self_ms']:8.2f} ms  x{op['calls']:<5d} {op['op']}")

@@ -4,6 +4,9 @@ Per request: the count and empty-image checks; a header pass (DALI's peek_image_
 decoding) that refuses an image whose header announces more than max_image_pixels before anything
 that large is allocated; then the image pipeline decodes, smart-resizes, resizes and normalises the
 whole request as one DALI batch. Errors name the image and never take the model down.
+Where a request's time goes is exported as counters (PHASES): reading the input, the checks with
+the header pass, the DALI run, and the copy into the output buffer; Triton's compute time minus
+their sum is handing the response over.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import gc
 import io
 import os
 import re
+import time
 
 import numpy as np
 import torch
@@ -21,10 +25,18 @@ from PIL import Image
 from ..image_pipeline import INPUT_NAME, DecoderOptions, ImageConfig, header_pipeline, image_pipeline
 from ..serving.errors import BadInput
 from ..settings import resolve_device
-from .io import error_response, instance_gpu, load_settings, resolve_checkpoint, strings
+from .io import Metrics, error_response, instance_gpu, instance_labels, load_settings, resolve_checkpoint, strings
 
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
 EOI_WINDOW = 4096  # a JPEG's end-of-image marker must be within this many bytes of its end
+# phase -> (Prometheus counter of microseconds, help); requests counted beside them
+PHASES = {
+    "input": ("zipmoe_image_decode_input_microseconds_total", "Reading the encoded images from the request"),
+    "check": ("zipmoe_image_decode_check_microseconds_total", "Count, truncation and header checks"),
+    "pipeline": ("zipmoe_image_decode_pipeline_microseconds_total", "The DALI run: decode, resize, normalise"),
+    "output": ("zipmoe_image_decode_output_microseconds_total", "Copying the pixels into the output buffer"),
+}
+REQUESTS = ("zipmoe_image_decode_requests_total", "Requests decoded (the phases' denominator)")
 
 
 def truncated_jpeg(data: np.ndarray) -> bool:
@@ -111,6 +123,10 @@ class TritonPythonModel:
                            "the image data is corrupt or truncated")
         # The first run of a batch allocates DALI's buffers (on GPU, the first requests of a new
         # shape take up to 1 s): pay that at load, with a full batch.
+        families = Metrics(pb_utils, "image_decode", instance_labels(args))
+        self._metrics = {phase: families.counter(*metric) for phase, metric in PHASES.items()}
+        self._metrics["requests"] = families.counter(*REQUESTS)
+        self._metric_families, self._counts = families, dict.fromkeys(self._metrics, 0)
         warm = _warmup_images(self.max_images)
         self.header.run(warm)
         self.image.run(warm)
@@ -122,12 +138,16 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
+        times = [time.perf_counter()]
         try:
             images = [np.frombuffer(data, np.uint8) for data in strings(pb_utils, request, "images")]
+            times.append(time.perf_counter())
             self._check(images)
-            pixel_values, image_sizes = self._decode(images)
+            times.append(time.perf_counter())
+            pixel_values, image_sizes = self._decode(images, times)
         except BadInput as e:
             return error_response(pb_utils, f"image_decode: {e}")
+        self._count(times)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor.from_dlpack("pixel_values", pixel_values),
             pb_utils.Tensor("image_sizes", image_sizes),
@@ -151,12 +171,24 @@ class TritonPythonModel:
             if min(height, width) == 0 or max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
                 raise BadInput(f"image {i}: {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO}:1")
 
-    def _decode(self, images: list[np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+    def _count(self, times: list[float]) -> None:
+        """times: perf_counter at the start and after each phase, in PHASES' order."""
+        c = self._counts
+        c["requests"] += 1
+        for phase, start, end in zip(PHASES, times, times[1:]):
+            c[phase] += int((end - start) * 1e6)
+        for name, metric in self._metrics.items():
+            metric.sync(c[name])
+
+    def _decode(self, images: list[np.ndarray], times: list[float]) -> tuple[torch.Tensor, np.ndarray]:
         """pixel_values: every image's CHW values, concatenated, on the model's device (on GPU
-        handed to Triton through DLPack, never copied to the host); image_sizes: [N, 2] (h, w)."""
+        handed to Triton through DLPack, never copied to the host); image_sizes: [N, 2] (h, w).
+        Appends the time after the DALI run and after the copy to `times`."""
         if not images:
+            times += [time.perf_counter()] * 2
             return torch.empty(0, dtype=torch.float32, device=self.device), np.zeros((0, 2), np.int32)
         pixels, sizes = self.image.run(images)
+        times.append(time.perf_counter())
         # A fresh buffer per request: DALI reuses its output memory on the next run, which comes
         # before Triton has sent this response when a call carries several requests.
         out = torch.empty(sum(int(np.prod(s)) for s in pixels.shape()), dtype=torch.float32, device=self.device)
@@ -167,6 +199,7 @@ class TritonPythonModel:
                 pixels.copy_to_external(dst, stream)
             else:
                 pixels.copy_to_external(dst)
+        times.append(time.perf_counter())
         return out, sizes.as_array()
 
     def finalize(self):

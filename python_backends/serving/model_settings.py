@@ -25,7 +25,7 @@ class ImageDecodeConfig:
     max_image_pixels: int = setting(40_000_000, "width * height above this is refused from the header", min=1)
     jpeg_fancy_upsampling: bool = setting(True, "GPU decoding: upsample JPEG chroma as libjpeg (PIL, the HF processor) "
                                                 "does; false is faster, colour edges differ by up to ~36 of 255 levels")
-    hw_decoder_load: float = setting(0.65, "GPU decoding: share of a request's JPEGs given to the hardware JPEG "
+    hw_decoder_load: float = setting(0.9, "GPU decoding: share of a request's JPEGs given to the hardware JPEG "
                                            "decoder, the rest to nvJPEG's CUDA decoder", min=0.0, max=1.0)
 
 
