@@ -84,8 +84,8 @@ class DecoderOptions:
 
     fancy_upsampling: interpolate the chroma planes as libjpeg (PIL, the HF processor) does, so GPU
     and CPU decodes agree; without it JPEG colour edges differ by up to ~36 of 255 levels.
-    hw_decoder_load: the share of a batch's JPEGs given to the GPU's hardware JPEG decoder (DALI's
-    default 0.65), the rest to nvJPEG's CUDA decoder."""
+    hw_decoder_load: the share of a batch's JPEGs given to the GPU's hardware JPEG decoder, the rest
+    to nvJPEG's CUDA decoder (DALI's default is 0.65; 0.9 was twice as fast on an H200)."""
     fancy_upsampling: bool = True
     hw_decoder_load: float = 0.9
 

@@ -48,7 +48,8 @@ def test_the_gpu_timeline_finds_the_idle_gaps():
 
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     event = lambda name, kind, start, end: NS(name=name, device_type=kind, time_range=NS(start=start, end=end))  # noqa: E731
-    events = [event("features", cpu, 0, 10_000), event("a", cuda, 2_000, 3_000), event("b", cuda, 2_500, 4_000),
+    events = [event("features", cpu, 0, 10_000), event("features", cuda, 2_000, 9_000),  # the label's device range
+              event("a", cuda, 2_000, 3_000), event("b", cuda, 2_500, 4_000),
               event("c", cuda, 7_000, 8_000), event("d", cuda, 8_500, 9_000)]
     t = gpu_timeline(events)
     assert (t["call_ms"], t["first_kernel_after_ms"], t["last_kernel_end_after_ms"]) == (10.0, 2.0, 9.0)

@@ -28,18 +28,22 @@ from .profile_decode import short_name
 from .timing import wall_ms, write_result
 
 
+CALL = "features"  # the profiler label of the profiled call
+
+
 def profile_features(encoder: VisionEncoder, images: list[torch.Tensor], top: int) -> dict:
     cuda = encoder.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        with record_function("features"):
+        with record_function(CALL):
             encoder.features(images)
         if cuda:
             torch.cuda.synchronize()
     timeline = gpu_timeline(prof.events()) if cuda else {}
     events = prof.key_averages()
     kernels = sorted(((short_name(e.key), e.device_time_total / 1e3, e.count) for e in events
-                      if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0),
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+                      and e.key != CALL),
                      key=lambda k: -k[1])
     host = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in events
                    if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0),
@@ -55,9 +59,11 @@ def gpu_timeline(events, gaps: int = 8) -> dict:
     """When the GPU worked inside the profiled features() call: the wait before its first kernel,
     the time it was busy (kernels' intervals merged), and its longest idle gaps, each with the
     kernel that ended the gap. A GPU idle while the host works is time the host, not the math, costs."""
-    call = next(e for e in events if e.name == "features")
+    call = next(e for e in events if e.name == CALL and e.device_type == torch.autograd.DeviceType.CPU)
+    # The labelled range also appears as a device-side event spanning the call's kernels: not a kernel.
     kernels = sorted((e.time_range.start, e.time_range.end, short_name(e.name)) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.name != CALL
+                     and e.time_range.end > e.time_range.start)
     if not kernels:
         return {}
     busy, idle, end = 0.0, [], kernels[0][0]
