@@ -18,7 +18,9 @@ ttft_30img    One request at a time, idle server: --images JPEGs of --image-size
               postprocess; decoder_ttft is moe_decoder's arrival-to-first-token (queue + prefill).
               TTFT beyond their sum is ensemble hand-offs, Python-backend IPC and gRPC.
 image_decode  --decode-images JPEGs of --decode-size straight to image_decode (gRPC infer, only
-              image_sizes returned). images_per_s: images / the server's compute_infer per request;
+              image_sizes asked for: the model then builds no pixel_values output, so the figure leaves
+              out handing the pixels on, which mm_qa does on the GPU). images_per_s: images / the
+              server's compute_infer per request;
               client_images_per_s adds IPC and gRPC. phases_ms: the model's own counters per request
               (input, check, pipeline, output) and `response`, the compute time beyond them.
 tpot_c1       One text request at a time, --tpot-tokens tokens, ignore_eos: tpot = (last - first

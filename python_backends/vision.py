@@ -28,6 +28,7 @@ from transformers.vision_utils import (
 
 from .checkpoint import open_weights
 from .kernels.attention_importance import patch_importance, patch_importance_reference
+from .kernels.layer_norm import add_layer_norm, add_layer_norm_reference, layer_norm, layer_norm_reference
 from .kernels.vision_rope import vision_rope, vision_rope_reference
 from .settings import make_current
 from .visionzip import ImageFeatures, check_budget_weighting, merged_importance, weigh_images
@@ -142,6 +143,8 @@ class VisionEncoder:
         self.model = model.to(device=device, dtype=dtype).eval()
         linear_patch_embed(self.model.patch_embed)
         self.device, self.dtype = device, dtype
+        self._tanh_gelu = vcfg.hidden_act == "gelu_pytorch_tanh"  # what cuBLASLt's GELU epilogue computes
+        self.fused_norms = device.type == "cuda"  # add + LayerNorm kernels (kernels/layer_norm.py)
         self._grid_inputs = GridInputs(model.num_grid_per_side, self.merge, model.interpolation_mode,
                                        model.interpolation_align_corners, device)
         self._importance_layer = importance_layer % vcfg.depth
@@ -176,6 +179,44 @@ class VisionEncoder:
                 out[rows] = o
         return attn.proj(out.reshape(n, -1))
 
+    def _tower(self, pixels: torch.Tensor, pre: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """transformers' Qwen3VLMoeVisionModel.forward (merged tokens and the DeepStack features),
+        its blocks' element-wise work fused on CUDA: each residual add runs with the LayerNorm after
+        it (a block's second add with the next block's first norm) and the MLP's GELU runs in its
+        first GEMM's epilogue, so a block makes 2 element-wise passes over the stream instead of 5.
+        Elsewhere the references, which are transformers' own ops in its order (`fused_norms` False;
+        the tests also run the fused norms on the CPU, in Triton's interpreter)."""
+        m, blocks = self.model, self.model.blocks
+        norm, add_norm = ((layer_norm, add_layer_norm) if self.fused_norms
+                          else (layer_norm_reference, add_layer_norm_reference))
+        h = m.patch_embed(pixels)
+        h = h + (m.pos_embed(pre["interp_indices"]) * pre["interp_weights"][:, :, None]).sum(1).to(h.dtype)
+        rotary = m.rotary_pos_emb(h, pre["position_ids"])
+        first = blocks[0].norm1
+        x = norm(h, first.weight, first.bias, first.eps)
+        deepstack = []
+        for i, block in enumerate(blocks):
+            attended = block.attn(x, cu_seqlens=pre["cu_seqlens"], position_embeddings=rotary)
+            h, x = add_norm(h, attended, block.norm2.weight, block.norm2.bias, block.norm2.eps)
+            out = block.mlp.linear_fc2(self._fc1_act(block.mlp, x))
+            if i + 1 < len(blocks):
+                after = blocks[i + 1].norm1
+                h, x = add_norm(h, out, after.weight, after.bias, after.eps)
+            else:
+                h = h + out
+            if i in m.deepstack_visual_indexes:
+                deepstack.append(m.deepstack_merger_list[m.deepstack_visual_indexes.index(i)](h))
+        return m.merger(h), deepstack
+
+    def _fc1_act(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """act(fc1(x)); on CUDA with the tanh GELU (Qwen3-VL's) in cuBLASLt's GEMM epilogue, computed
+        from the float32 accumulator instead of a second kernel over the rounded product. (Only on
+        CUDA: torch's CPU `_addmm_activation` applies the erf GELU.)"""
+        fc1 = mlp.linear_fc1
+        if x.is_cuda and self._tanh_gelu:
+            return torch._addmm_activation(fc1.bias, x, fc1.weight.t(), use_gelu=True)
+        return mlp.act_fn(fc1(x))
+
     @torch.inference_mode()
     def features(self, images: list[torch.Tensor]) -> list[ImageFeatures]:
         """One vision forward for all images (normalised CHW, sides multiples of patch * merge)."""
@@ -197,13 +238,13 @@ class VisionEncoder:
             start += h * w
         self._groups = groups
         try:
-            out = self.model(pixels, return_dict=True, **precomputed)
+            pooled, deepstack = self._tower(pixels, precomputed)
         finally:
             self._groups = []
         unit = self.merge * self.merge
         per_image = [h * w // unit for h, w in sizes]
-        embeds = out.pooler_output.split(per_image)
-        deepstack = torch.stack(out.deepstack_features).split(per_image, dim=1)  # each [L, N_i, D]
+        embeds = pooled.split(per_image)
+        deepstack = torch.stack(deepstack).split(per_image, dim=1)  # each [L, N_i, D]
         c, self._captured = self._captured, {}  # do not keep the batch's q/k alive until the next call
         importance_fn = patch_importance if c["q"].is_cuda else patch_importance_reference  # never an N_i x N_i matrix
         importance = merged_importance(importance_fn(c["q"], c["k"], c["cu_seqlens"], c["scale"]), unit)

@@ -208,6 +208,16 @@ def test_served_no_images(client):
     assert result.as_numpy("pixel_values").shape == (0,) and result.as_numpy("image_sizes").shape == (0, 2)
 
 
+@pytest.mark.integration
+def test_served_sizes_alone_when_only_sizes_are_asked(client):
+    """A caller asking only for image_sizes gets them (the same as with the pixels), and no pixels."""
+    inp = grpcclient.InferInput("images", [len(GOOD)], "BYTES")
+    inp.set_data_from_numpy(np.array(GOOD, dtype=object))
+    result = client.infer("image_decode", [inp], outputs=[grpcclient.InferRequestedOutput("image_sizes")])
+    assert result.as_numpy("image_sizes").tolist() == [[416, 576], [64, 64], [320, 512]]
+    assert result.as_numpy("pixel_values") is None
+
+
 JPEG = encode(photo(100, 100), "JPEG")
 BAD_REQUESTS = {
     "undecodable": ([JPEG, b"this is not an image at all" * 4], "image 1: cannot decode"),

@@ -73,13 +73,39 @@ def test_matches_transformers_vision_tower(encoder, stock, sizes, monkeypatch):
     assert sorted(s[0] for s in sdpa_calls[:len(set(sizes))]) == sorted(sizes.count(s) for s in set(sizes))
     monkeypatch.undo()
 
-    embeds, deepstack, importance, keys = reference_features(stock, images)
-    tight = dict(atol=1e-5, rtol=1e-5)
+    assert_features_close(ours, reference_features(stock, images), 1e-5)
+
+
+def assert_features_close(ours, reference, tol: float) -> None:
     for i, f in enumerate(ours):
-        torch.testing.assert_close(f.embeds, embeds[i], **tight)
-        torch.testing.assert_close(f.deepstack, deepstack[i], **tight)
-        torch.testing.assert_close(f.importance, importance[i], **tight)
-        torch.testing.assert_close(f.keys, keys[i], **tight)
+        for got, want in zip((f.embeds, f.deepstack, f.importance, f.keys), (part[i] for part in reference)):
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_fused_norms_match_transformers(encoder, stock):
+    """The tower's forward with the add + LayerNorm kernels (Triton's interpreter on the CPU; on
+    CUDA they are the default) against the stock tower: float32 statistics in another order."""
+    g = torch.Generator().manual_seed(3)
+    images = [torch.randn(3, h, w, generator=g) for h, w in MIXED]
+    encoder.fused_norms = True
+    try:
+        ours = encoder.features(images)
+    finally:
+        encoder.fused_norms = False
+    assert_features_close(ours, reference_features(stock, images), 1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_gelu_epilogue_is_the_tanh_gelu():
+    """_fc1_act's `torch._addmm_activation(..., use_gelu=True)` on CUDA applies the tanh GELU that
+    Qwen3-VL's vision MLP uses (checked in float32, where the erf GELU is visibly different)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).cuda() for shape in ((256, 1152), (4304, 1152), (4304,)))
+    w = w / 1152 ** 0.5  # products of unit scale, where the two GELUs differ by up to ~5e-4
+    fused = torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    product = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(fused, torch.nn.functional.gelu(product, approximate="tanh"), atol=5e-5, rtol=1e-4)
+    assert (fused - torch.nn.functional.gelu(product)).abs().max() > 2e-4
 
 
 def test_attention_groups():

@@ -144,14 +144,18 @@ class TritonPythonModel:
             times.append(time.perf_counter())
             self._check(images)
             times.append(time.perf_counter())
-            pixel_values, image_sizes = self._decode(images, times)
+            # Only what was asked for: a caller that wants the sizes alone (a client checking its
+            # images) would otherwise have every pixel copied into a buffer it never reads (on a
+            # GPU, the 604 MB of 64 photos to the host: 11 ms a request on an H200).
+            wants_pixels = "pixel_values" in request.requested_output_names()
+            pixel_values, image_sizes = self._decode(images, times, wants_pixels)
         except BadInput as e:
             return error_response(pb_utils, f"image_decode: {e}")
         self._count(times)
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor.from_dlpack("pixel_values", pixel_values),
-            pb_utils.Tensor("image_sizes", image_sizes),
-        ])
+        outputs = [pb_utils.Tensor("image_sizes", image_sizes)]
+        if pixel_values is not None:
+            outputs.insert(0, pb_utils.Tensor.from_dlpack("pixel_values", pixel_values))
+        return pb_utils.InferenceResponse(outputs)
 
     def _check(self, images: list[np.ndarray]) -> None:
         if len(images) > self.max_images:
@@ -180,15 +184,20 @@ class TritonPythonModel:
         for name, metric in self._metrics.items():
             metric.sync(c[name])
 
-    def _decode(self, images: list[np.ndarray], times: list[float]) -> tuple[torch.Tensor, np.ndarray]:
+    def _decode(self, images: list[np.ndarray], times: list[float],
+                wants_pixels: bool = True) -> tuple[torch.Tensor | None, np.ndarray]:
         """pixel_values: every image's CHW values, concatenated, on the model's device (on GPU
-        handed to Triton through DLPack, never copied to the host); image_sizes: [N, 2] (h, w).
-        Appends the time after the DALI run and after the copy to `times`."""
+        handed to Triton through DLPack, never copied to the host), None when not wanted;
+        image_sizes: [N, 2] (h, w). Appends the time after the DALI run and after the copy to `times`."""
         if not images:
             times += [time.perf_counter()] * 2
-            return torch.empty(0, dtype=torch.float32, device=self.device), np.zeros((0, 2), np.int32)
+            empty = torch.empty(0, dtype=torch.float32, device=self.device)
+            return empty if wants_pixels else None, np.zeros((0, 2), np.int32)
         pixels, sizes = self.image.run(images)
         times.append(time.perf_counter())
+        if not wants_pixels:
+            times.append(time.perf_counter())
+            return None, sizes.as_array()
         # A fresh buffer per request: DALI reuses its output memory on the next run, which comes
         # before Triton has sent this response when a call carries several requests.
         out = torch.empty(sum(int(np.prod(s)) for s in pixels.shape()), dtype=torch.float32, device=self.device)
