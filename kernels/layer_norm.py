@@ -52,6 +52,9 @@ def _add_layer_norm_kernel(x_ptr, delta_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, N, 
 
 def _launch(x, delta, weight, bias, eps, sum_out, out):
     T, N = x.shape
+    if delta is not None and delta.dtype != x.dtype:  # the kernel rounds the sum to x's dtype
+        raise ValueError(f"add_layer_norm: x is {x.dtype}, delta {delta.dtype}; give both one dtype")
+    weight, bias = weight.contiguous(), bias.contiguous()
     if T:
         _add_layer_norm_kernel[(T,)](x, delta if delta is not None else x, weight, bias,
                                      sum_out if sum_out is not None else out, out, N, eps,
@@ -76,7 +79,7 @@ def _(x, weight, bias, eps):
 @torch.library.custom_op("zipmoe::add_layer_norm", mutates_args=())
 def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `add_layer_norm_reference` for x and delta [T, N]; one launch."""
+    """Same contract as `add_layer_norm_reference` for x and delta [T, N] of one dtype; one launch."""
     x, delta = x.contiguous(), delta.contiguous()
     sum_out, out = torch.empty_like(x), torch.empty_like(x)
     _launch(x, delta, weight, bias, eps, sum_out, out)

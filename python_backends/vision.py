@@ -144,7 +144,7 @@ class VisionEncoder:
         linear_patch_embed(self.model.patch_embed)
         self.device, self.dtype = device, dtype
         self._tanh_gelu = vcfg.hidden_act == "gelu_pytorch_tanh"  # what cuBLASLt's GELU epilogue computes
-        self.fused_norms = device.type == "cuda"  # add + LayerNorm kernels (kernels/layer_norm.py)
+        self.fused_ops = device.type == "cuda"  # add + LayerNorm kernels, GELU epilogue (_tower)
         self._grid_inputs = GridInputs(model.num_grid_per_side, self.merge, model.interpolation_mode,
                                        model.interpolation_align_corners, device)
         self._importance_layer = importance_layer % vcfg.depth
@@ -184,10 +184,10 @@ class VisionEncoder:
         its blocks' element-wise work fused on CUDA: each residual add runs with the LayerNorm after
         it (a block's second add with the next block's first norm) and the MLP's GELU runs in its
         first GEMM's epilogue, so a block makes 2 element-wise passes over the stream instead of 5.
-        Elsewhere the references, which are transformers' own ops in its order (`fused_norms` False;
-        the tests also run the fused norms on the CPU, in Triton's interpreter)."""
+        With `fused_ops` False (off CUDA), transformers' own ops in its order; the tests also run the
+        fused norms on the CPU, in Triton's interpreter (the GELU epilogue needs CUDA)."""
         m, blocks = self.model, self.model.blocks
-        norm, add_norm = ((layer_norm, add_layer_norm) if self.fused_norms
+        norm, add_norm = ((layer_norm, add_layer_norm) if self.fused_ops
                           else (layer_norm_reference, add_layer_norm_reference))
         h = m.patch_embed(pixels)
         h = h + (m.pos_embed(pre["interp_indices"]) * pre["interp_weights"][:, :, None]).sum(1).to(h.dtype)
@@ -213,7 +213,7 @@ class VisionEncoder:
         from the float32 accumulator instead of a second kernel over the rounded product. (Only on
         CUDA: torch's CPU `_addmm_activation` applies the erf GELU.)"""
         fc1 = mlp.linear_fc1
-        if x.is_cuda and self._tanh_gelu:
+        if self.fused_ops and x.is_cuda and self._tanh_gelu:
             return torch._addmm_activation(fc1.bias, x, fc1.weight.t(), use_gelu=True)
         return mlp.act_fn(fc1(x))
 

@@ -38,8 +38,11 @@ def test_empty_and_strided_inputs():
     empty = x[:0]
     assert layer_norm(empty, w, b, 1e-6).shape == (0, 64)
     wide = torch.randn(6, 128)
-    strided = wide[:, ::2]  # not contiguous: copied first
-    torch.testing.assert_close(layer_norm(strided, w, b, 1e-6), layer_norm_reference(strided, w, b, 1e-6), **TOL[torch.float32])
+    strided, w_strided = wide[:, ::2], torch.rand(128)[::2]  # not contiguous: copied first
+    torch.testing.assert_close(layer_norm(strided, w_strided, b, 1e-6), layer_norm_reference(strided, w_strided, b, 1e-6),
+                               **TOL[torch.float32])
+    with pytest.raises(ValueError, match="one dtype"):
+        add_layer_norm(x, delta.double(), w, b, 1e-6)
 
 
 def test_reference_is_the_blocks_arithmetic():

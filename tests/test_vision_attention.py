@@ -87,12 +87,27 @@ def test_fused_norms_match_transformers(encoder, stock):
     CUDA they are the default) against the stock tower: float32 statistics in another order."""
     g = torch.Generator().manual_seed(3)
     images = [torch.randn(3, h, w, generator=g) for h, w in MIXED]
-    encoder.fused_norms = True
+    encoder.fused_ops = True
     try:
         ours = encoder.features(images)
     finally:
-        encoder.fused_norms = False
+        encoder.fused_ops = False
     assert_features_close(ours, reference_features(stock, images), 1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_tower_matches_its_unfused_ops(tiny_checkpoint):
+    """On CUDA in bf16 as served: the tower with the fused norms and the GELU epilogue against the
+    same weights through transformers' own ops (fused_ops off); bf16 rounding apart, the same features."""
+    encoder = VisionEncoder(tiny_checkpoint, torch.device("cuda"), torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    images = [torch.randn(3, h, w, generator=g).cuda() for h, w in MIXED]
+    fused = encoder.features(images)
+    encoder.fused_ops = False
+    plain = encoder.features(images)
+    for f, p in zip(fused, plain):
+        for got, want in ((f.embeds, p.embeds), (f.deepstack, p.deepstack)):
+            torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

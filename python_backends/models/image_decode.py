@@ -197,6 +197,8 @@ class TritonPythonModel:
         pixels, sizes = self.image.run(images)
         times.append(time.perf_counter())
         if not wants_pixels:
+            if self.device.type == "cuda":  # DALI's GPU work done, as the pixel copy would wait for it
+                torch.cuda.synchronize(self.device)
             times.append(time.perf_counter())
             return None, sizes.as_array()
         # A fresh buffer per request: DALI reuses its output memory on the next run, which comes
