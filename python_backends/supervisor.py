@@ -7,8 +7,11 @@ healthy"; and shutdown waits out its exit timeout. So `zipmoe serve` watches the
 one dies it kills the whole server at once — every request in flight then ends with an error on its
 connection within a second, and the health endpoints stop answering (a load balancer or Kubernetes
 routes around it) — and starts a new server on the same ports, which is ready again after its
-models load. More than MAX_RESTARTS within RESTART_WINDOW_S gives up (exit 1): something is wrong
-that a restart does not fix, and a supervisor above (Kubernetes) should see the process fail.
+models load. tritonserver itself exiting when no signal asked it to is handled the same way: a
+stub killed while it held one of the Python backend's shared-memory locks can make the server
+abort (boost::interprocess::lock_exception, seen in CI) before a poll sees the stub gone. More than
+MAX_RESTARTS within RESTART_WINDOW_S gives up (exit 1): something is wrong that a restart does not
+fix, and a supervisor above (Kubernetes) should see the process fail.
 """
 from __future__ import annotations
 
@@ -49,28 +52,32 @@ def dead(pid: int) -> bool:
 
 
 def supervise(server, stopping, log=print) -> int:
-    """Waits for the server to exit, restarting it whenever one of its stubs dies; `stopping()` says
-    a signal asked it to stop (then it is left to finish). Returns the server's exit code."""
+    """Waits for the server to exit, restarting it whenever one of its stubs dies or it exits on its
+    own; `stopping()` says a signal asked it to stop (then it is left to finish). Returns the
+    server's exit code."""
     restarts: deque[float] = deque()
     while True:
         stubs = stub_pids(server.process.pid)
         while server.process.poll() is None and not stopping():
             gone = sorted(f"{name} (pid {pid})" for pid, name in stubs.items() if dead(pid))
             if gone:
+                cause = f"model stub(s) {', '.join(gone)} died"
                 break
             time.sleep(POLL_S)
         else:
-            return server.stop()
+            code = server.process.poll()
+            if stopping() or code is None:
+                return server.stop()
+            cause = f"tritonserver exited on its own (code {code})"
         now = time.monotonic()
         while restarts and now - restarts[0] > RESTART_WINDOW_S:
             restarts.popleft()
         if len(restarts) >= MAX_RESTARTS:
-            log(f"zipmoe: model stub(s) {', '.join(gone)} died; {MAX_RESTARTS} restarts in "
-                f"{RESTART_WINDOW_S:.0f} s already: giving up")
+            log(f"zipmoe: {cause}; {MAX_RESTARTS} restarts in {RESTART_WINDOW_S:.0f} s already: giving up")
             server.kill()
             return 1
         restarts.append(now)
-        log(f"zipmoe: model stub(s) {', '.join(gone)} died; restarting tritonserver (in-flight requests fail)")
+        log(f"zipmoe: {cause}; restarting tritonserver (in-flight requests fail)")
         server.restart()
         try:
             server.wait_ready()
