@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,14 +59,10 @@ from zipmoe.clients import bench_serving_report as report
 from zipmoe.clients.bench_common import device_info, parse_size, pct, rounded, synthetic_jpeg
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
+from zipmoe.clients.server_breakdown import STAGES, breakdown, decode_phases, diff, model_stats, settled
 from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
 
 BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed", "mixed_text")
-STAGES = ("preprocess", "image_decode", "vision_encoder", "postprocess")  # Triton statistics read
-IMAGE_DECODE_PHASES = {p: f"zipmoe_image_decode_{p}_microseconds_total" for p in ("input", "check", "pipeline", "output")}
-IMAGE_DECODE_REQUESTS = "zipmoe_image_decode_requests_total"
-VISION = {"vision_forward": "zipmoe_vision_forward_microseconds_total",
-          "visionzip": "zipmoe_visionzip_microseconds_total"}
 QUESTION = "What do these pictures show? Answer briefly."
 STORY = "Tell me a long story about a lighthouse keeper and the ships she saw."
 
@@ -89,20 +84,6 @@ def timed_stream(url: str, times: list | None = None, **inputs) -> tuple[float, 
     return start, times, last
 
 
-def diff(before: dict, after: dict, name: str) -> float | None:
-    return after[name] - before.get(name, 0.0) if name in after else None
-
-
-def settled(read):
-    """read() once two reads 50 ms apart agree: Triton and our counters count a request after its
-    last response has left, so a read right after the client has it can miss it (idle server only)."""
-    last, deadline = None, time.monotonic() + 5
-    while (now := read()) != last and time.monotonic() < deadline:
-        last = now
-        time.sleep(0.05)
-    return now
-
-
 class Bench:
     """The server's endpoints and the run's settings."""
 
@@ -110,38 +91,13 @@ class Bench:
         self.url, self.http, self.metrics, self.args, self.routing = url, http, metrics, args, routing
 
     def stats(self, model: str) -> dict[str, list[int]] | None:
-        """Triton's cumulative statistics of a model: {kind: [count, ns]} (success, queue, compute_*)."""
-        if not self.http:
-            return None
-        out: dict[str, list[int]] = {}
-        with urllib.request.urlopen(f"http://{self.http}/v2/models/{model}/stats", timeout=10) as r:
-            for version in json.loads(r.read())["model_stats"]:
-                for kind, v in version["inference_stats"].items():
-                    count, ns = out.get(kind, (0, 0))
-                    out[kind] = [count + int(v["count"]), ns + int(v["ns"])]
-        return out
+        return model_stats(self.http, model) if self.http else None
 
     def scrape(self) -> dict[str, float]:
         return scrape_metrics(self.metrics) if self.metrics else {}
 
     def snapshot(self) -> dict:
         return settled(lambda: {"stats": {m: self.stats(m) for m in STAGES}, "metrics": self.scrape()})
-
-
-def breakdown(before: dict, after: dict, n: int) -> tuple[dict, dict]:
-    """Per-request server times (ms) between two snapshots around n requests: compute and queue."""
-    compute, queue = {}, {}
-    for m in STAGES:
-        b, a = before["stats"][m], after["stats"][m]
-        compute[m] = (a["compute_infer"][1] - b["compute_infer"][1]) / n / 1e6 if a and b else None
-        queue[m] = (a["queue"][1] - b["queue"][1]) / n / 1e6 if a and b else None
-    mb, ma = before["metrics"], after["metrics"]
-    vision_requests = diff(mb, ma, "zipmoe_vision_requests_total") or n
-    for key, name in VISION.items():
-        compute[key] = None if name not in ma else diff(mb, ma, name) / vision_requests / 1e3
-    done, ttft_us = diff(mb, ma, "zipmoe_requests_completed_total"), diff(mb, ma, "zipmoe_ttft_microseconds_total")
-    compute["decoder_ttft"] = ttft_us / done / 1e3 if done and ttft_us is not None else None
-    return compute, queue
 
 
 def bench_ttft(b: Bench, size: tuple[int, int]) -> list[dict]:
@@ -200,17 +156,6 @@ def bench_image_decode(b: Bench) -> list[dict]:
                 if compute_ms else None, image_size=a.decode_size, resized=f"{w}x{h}",
                 compute_ms_per_request=compute_ms, client_images_per_s=len(images) * a.n / wall,
                 phases_ms=decode_phases(mb, ma, compute_ms))]
-
-
-def decode_phases(before: dict, after: dict, compute_ms: float | None) -> dict | None:
-    """image_decode's own counters per request (ms); `response`: Triton's compute time beyond them."""
-    requests = diff(before, after, IMAGE_DECODE_REQUESTS)
-    if not requests:
-        return None
-    phases = {p: round(diff(before, after, name) / requests / 1e3, 3) for p, name in IMAGE_DECODE_PHASES.items()}
-    if compute_ms is not None:
-        phases["response"] = round(compute_ms - sum(phases.values()), 3)
-    return phases
 
 
 def bench_tpot(b: Bench) -> list[dict]:
