@@ -34,7 +34,8 @@ PHASES = {
     "input": ("zipmoe_image_decode_input_microseconds_total", "Reading the encoded images from the request"),
     "check": ("zipmoe_image_decode_check_microseconds_total", "Count, truncation and header checks"),
     "pipeline": ("zipmoe_image_decode_pipeline_microseconds_total", "The DALI run: decode, resize, normalise"),
-    "output": ("zipmoe_image_decode_output_microseconds_total", "Copying the pixels into the output buffer"),
+    "output": ("zipmoe_image_decode_output_microseconds_total",
+               "Building the outputs: the pixels copied into their buffer (sizes alone: DALI's GPU work awaited)"),
 }
 REQUESTS = ("zipmoe_image_decode_requests_total", "Requests decoded (the phases' denominator)")
 
@@ -138,24 +139,27 @@ class TritonPythonModel:
         return [self._one(r) for r in requests]
 
     def _one(self, request):
-        times = [time.perf_counter()]
+        times = [time.perf_counter()]  # the start, then the end of each of PHASES in order
         try:
             images = [np.frombuffer(data, np.uint8) for data in strings(pb_utils, request, "images")]
             times.append(time.perf_counter())
             self._check(images)
             times.append(time.perf_counter())
+            pixels, image_sizes = self._run(images)
+            times.append(time.perf_counter())
             # Only what was asked for: a caller that wants the sizes alone (a client checking its
             # images) would otherwise have every pixel copied into a buffer it never reads (64
             # photos on an H200: 604 MB, and 10.8 ms of the request's compute time after execute,
             # about what a copy to the host takes).
-            wants_pixels = "pixel_values" in request.requested_output_names()
-            pixel_values, image_sizes = self._decode(images, times, wants_pixels)
+            outputs = [pb_utils.Tensor("image_sizes", image_sizes)]
+            if "pixel_values" in request.requested_output_names():
+                outputs.insert(0, pb_utils.Tensor.from_dlpack("pixel_values", self._pixel_values(pixels)))
+            elif self.device.type == "cuda":  # DALI's GPU work done, as the pixel copy would wait for it
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter())
         except BadInput as e:
             return error_response(pb_utils, f"image_decode: {e}")
         self._count(times)
-        outputs = [pb_utils.Tensor("image_sizes", image_sizes)]
-        if pixel_values is not None:
-            outputs.insert(0, pb_utils.Tensor.from_dlpack("pixel_values", pixel_values))
         return pb_utils.InferenceResponse(outputs)
 
     def _check(self, images: list[np.ndarray]) -> None:
@@ -185,25 +189,21 @@ class TritonPythonModel:
         for name, metric in self._metrics.items():
             metric.sync(c[name])
 
-    def _decode(self, images: list[np.ndarray], times: list[float],
-                wants_pixels: bool = True) -> tuple[torch.Tensor | None, np.ndarray]:
-        """pixel_values: every image's CHW values, concatenated, on the model's device (on GPU
-        handed to Triton through DLPack, never copied to the host), None when not wanted;
-        image_sizes: [N, 2] (h, w). Appends the time after the DALI run and after the copy to `times`."""
+    def _run(self, images: list[np.ndarray]):
+        """The image pipeline over the request: (DALI's pixels, None without images; image_sizes
+        [N, 2] (h, w))."""
         if not images:
-            times += [time.perf_counter()] * 2
-            empty = torch.empty(0, dtype=torch.float32, device=self.device)
-            return empty if wants_pixels else None, np.zeros((0, 2), np.int32)
+            return None, np.zeros((0, 2), np.int32)
         pixels, sizes = self.image.run(images)
-        times.append(time.perf_counter())
-        if not wants_pixels:
-            if self.device.type == "cuda":  # DALI's GPU work done, as the pixel copy would wait for it
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter())
-            return None, sizes.as_array()
+        return pixels, sizes.as_array()
+
+    def _pixel_values(self, pixels) -> torch.Tensor:
+        """Every image's CHW values, concatenated, on the model's device (on GPU handed to Triton
+        through DLPack, never copied to the host)."""
         # A fresh buffer per request: DALI reuses its output memory on the next run, which comes
         # before Triton has sent this response when a call carries several requests.
-        out = torch.empty(sum(int(np.prod(s)) for s in pixels.shape()), dtype=torch.float32, device=self.device)
+        size = sum(int(np.prod(s)) for s in pixels.shape()) if pixels is not None else 0
+        out = torch.empty(size, dtype=torch.float32, device=self.device)
         if out.numel():
             dst = ctypes.c_void_p(out.data_ptr())
             if self.device.type == "cuda":  # every sample back to back; waits for the copy
@@ -211,8 +211,7 @@ class TritonPythonModel:
                 pixels.copy_to_external(dst, stream)
             else:
                 pixels.copy_to_external(dst)
-        times.append(time.perf_counter())
-        return out, sizes.as_array()
+        return out
 
     def finalize(self):
         # Tear the pipelines (their worker threads and GPU buffers) down while CUDA is still up: left
