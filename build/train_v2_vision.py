@@ -8,7 +8,7 @@ reading head over a fixed number of tokens). Task set v2 (`build/taskset_v2.py`)
     image length (the serving tower's grouping, `zipmoe.vision.attention_groups`). Either replaces
     transformers' loop over images. The grouped path cost the H200 ~33 groups a layer (a gather,
     an SDPA and a scatter each, forward and backward): most of a training step's 12.5 k launches;
-  - `grid_cached_vision_inputs`: rotary position ids built once per distinct grid, then concatenated;
+  - `grid_cached_vision_inputs`: the tower's per-grid inputs from `zipmoe.vision.GridInputs`' cache;
   - `uint8_patches` (in the DataLoader workers) and `device_pixels` (on the training device): the
     workers ship patchified uint8 pixels without the temporal copy (an eighth of the float32
     bytes), and the device normalises and duplicates them, which gives exactly
@@ -22,11 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.vision_utils import get_vision_position_ids
 
 from zipmoe.build.taskset_v2_docs import CHARSET, Mark
 from zipmoe.build.training import MergedTokensHead
-from zipmoe.vision import attention_groups, patchify
+from zipmoe.vision import GridInputs, attention_groups, patchify
 
 READING_SLOTS = 4  # characters a 32-px block holds at the fonts used (18-24 px text; 36-44 px prices)
 END = len(CHARSET)  # class after a block's last character (or alone: the block shows no text)
@@ -77,20 +76,22 @@ AttentionInterface.register(PACKED_IMAGE_ATTENTION, packed_image_attention)
 
 
 def grid_cached_vision_inputs(visual) -> None:
-    """Hand the vision tower its rotary position ids from a cache per grid (the tower's helper
-    builds them image by image, ~10 small ops each, every step)."""
-    cache: dict = {}
+    """Hand the vision tower its per-grid inputs (rotary positions, position-embedding interpolation)
+    from the serving tower's device cache, `zipmoe.vision.GridInputs` (the tower's helpers build them
+    image by image, ~10 small ops each, every step). Grids with more than one frame: the helpers."""
+    caches: dict = {}  # device -> GridInputs
 
     def hook(module, args, kwargs):
         grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]
-        parts = []
-        for grid in grid_thw.tolist():
-            key = tuple(grid)
-            if key not in cache:
-                cache[key] = get_vision_position_ids(torch.tensor([grid], device=grid_thw.device),
-                                                     module.spatial_merge_size)
-            parts.append(cache[key])
-        kwargs["position_ids"] = torch.cat(parts)
+        grids = grid_thw.tolist()
+        if any(t != 1 for t, _, _ in grids):
+            return args, kwargs
+        device = grid_thw.device
+        if device not in caches:
+            caches[device] = GridInputs(module.num_grid_per_side, module.spatial_merge_size, module.interpolation_mode,
+                                        module.interpolation_align_corners, device)
+        inputs = caches[device]([(h, w) for _, h, w in grids])
+        kwargs.update({name: inputs[name] for name in ("position_ids", "interp_indices", "interp_weights")})
         return args, kwargs
 
     visual.register_forward_pre_hook(hook, with_kwargs=True)

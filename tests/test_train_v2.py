@@ -102,7 +102,7 @@ def test_device_pixels_equal_the_servers_pixels():
 
 
 def test_grouped_vision_shortcuts_match_the_towers_per_image_loops(smoke):
-    """Images of several sizes (two of one size, apart): grouped SDPA and cached rotary positions
+    """Images of several sizes (two of one size, apart): grouped SDPA and the cached per-grid inputs
     give the tower's own result."""
     from transformers import Qwen3VLMoeForConditionalGeneration
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke[0], dtype=torch.float32).eval()
