@@ -81,8 +81,8 @@ class GridInputs:
         parts = [self._one(g) for g in grids]
         thw = torch.tensor([[1, h, w] for h, w in grids])
         indices, weights, positions = (torch.cat(column) for column in zip(*parts))
-        return dict(grid_thw=thw.to(self._device), cu_seqlens=get_vision_cu_seqlens(thw).to(self._device),
-                    position_ids=positions, interp_indices=indices, interp_weights=weights)
+        return dict(cu_seqlens=get_vision_cu_seqlens(thw).to(self._device), position_ids=positions,
+                    interp_indices=indices, interp_weights=weights)
 
 
 def pixels_of(image, mean: float | torch.Tensor = 0.5, std: float | torch.Tensor = 0.5) -> torch.Tensor:
