@@ -16,13 +16,16 @@ ttft_30img    One request at a time, idle server: --images JPEGs of --image-size
               breakdown_ms per request: Triton's compute_infer of preprocess, image_decode,
               vision_encoder (of which vision_forward and visionzip, when it exports those counters),
               postprocess; decoder_ttft is moe_decoder's arrival-to-first-token (queue + prefill).
-              TTFT beyond their sum is ensemble hand-offs, Python-backend IPC and gRPC.
+              TTFT beyond their sum is ensemble hand-offs, Python-backend IPC and gRPC. With --trace,
+              timeline_ms: the medians of Triton's trace spans per request (clients/trace_timeline:
+              each step's wait, input, execute, output and the hand-offs between steps).
 image_decode  --decode-images JPEGs of --decode-size straight to image_decode (gRPC infer, only
               image_sizes asked for: the model then builds no pixel_values output, so the figure leaves
               out handing the pixels on, which mm_qa does on the GPU). images_per_s: images / the
               server's compute_infer per request;
               client_images_per_s adds IPC and gRPC. phases_ms: the model's own counters per request
-              (input, check, pipeline, output) and `response`, the compute time beyond them.
+              (input, check, pipeline, output) and `response`, the compute time beyond them; with
+              --trace, timeline_ms as for ttft_30img (the model's wait, input, execute, output).
 tpot_c1       One text request at a time, --tpot-tokens tokens, ignore_eos: tpot = (last - first
               response) / (tokens - 1), a batch-1 decode step plus the per-token serving path;
               server_tpot_ms is moe_decoder's own. The TPOT target compares against the engine-only
@@ -60,6 +63,7 @@ from zipmoe.clients.bench_common import device_info, parse_size, pct, rounded, s
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
 from zipmoe.clients.server_breakdown import STAGES, breakdown, decode_phases, diff, model_stats, settled
+from zipmoe.clients.trace_timeline import median_segments, read, requests, server_args
 from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
 
 BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed", "mixed_text")
@@ -99,6 +103,16 @@ class Bench:
     def snapshot(self) -> dict:
         return settled(lambda: {"stats": {m: self.stats(m) for m in STAGES}, "metrics": self.scrape()})
 
+    def timeline(self, since_ns: int, until_ns: int, n: int, model: str = "mm_qa") -> dict | None:
+        """Median trace spans of the n requests to `model` that arrived in the window (--trace), None without;
+        Triton writes a trace file once a request's last step has finished, so wait a little for them."""
+        if self.args.trace is None:
+            return None
+        deadline = time.monotonic() + 5
+        while len(reqs := requests(read(self.args.trace), model, since_ns, until_ns)) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return median_segments(reqs) if reqs else None
+
 
 def bench_ttft(b: Bench, size: tuple[int, int]) -> list[dict]:
     a, label = b.args, f"{size[0]}x{size[1]}"
@@ -110,11 +124,11 @@ def bench_ttft(b: Bench, size: tuple[int, int]) -> list[dict]:
         try:
             for _ in range(a.warmup):
                 timed_stream(b.url, **request)
-            before, ttfts = b.snapshot(), []
+            before, ttfts, since = b.snapshot(), [], time.monotonic_ns()
             for _ in range(a.n):
                 start, times, last = timed_stream(b.url, **request)
                 ttfts.append((times[0] - start) * 1e3)
-            after = b.snapshot()
+            until, after = time.monotonic_ns(), b.snapshot()
         except ServerError as e:  # e.g. more tokens than max_model_len: the other keep ratios still run
             rows.append(row("ttft_30img", keep, b.routing, images=a.images, image_size=label, note=f"failed: {e}"))
             continue
@@ -122,6 +136,7 @@ def bench_ttft(b: Bench, size: tuple[int, int]) -> list[dict]:
         kept = sum(last.get("visual_tokens_kept") or [])
         rows.append(row("ttft_30img", keep, b.routing, images=a.images, n=a.n, ttft=ttfts, image_size=label,
                         ttft_ms_min=min(ttfts), visual_tokens=kept, breakdown_ms=compute, queue_ms=queue,
+                        timeline_ms=b.timeline(since, until, a.n),
                         jpeg_kb=sum(map(len, images)) / len(images) / 1024,
                         note=f"{a.images} images of {label}: {kept} visual tokens after VisionZip"))
     return rows
@@ -140,11 +155,11 @@ def bench_image_decode(b: Bench) -> list[dict]:
     try:
         for _ in range(a.warmup):
             client.infer("image_decode", [tensor], outputs=outputs)
-        read = lambda: (b.stats("image_decode"), b.scrape())  # noqa: E731
-        (before, mb), start = settled(read), time.perf_counter()
+        snapshot = lambda: (b.stats("image_decode"), b.scrape())  # noqa: E731
+        (before, mb), start, since = settled(snapshot), time.perf_counter(), time.monotonic_ns()
         for _ in range(a.n):
             result = client.infer("image_decode", [tensor], outputs=outputs)
-        wall, (after, ma) = time.perf_counter() - start, settled(read)
+        wall, until, (after, ma) = time.perf_counter() - start, time.monotonic_ns(), settled(snapshot)
     finally:
         client.close()
     compute_ms = None
@@ -155,7 +170,7 @@ def bench_image_decode(b: Bench) -> list[dict]:
     return [row("image_decode", images=len(images), n=a.n, images_per_s=len(images) * 1e3 / compute_ms
                 if compute_ms else None, image_size=a.decode_size, resized=f"{w}x{h}",
                 compute_ms_per_request=compute_ms, client_images_per_s=len(images) * a.n / wall,
-                phases_ms=decode_phases(mb, ma, compute_ms))]
+                phases_ms=decode_phases(mb, ma, compute_ms), timeline_ms=b.timeline(since, until, a.n, "image_decode"))]
 
 
 def bench_tpot(b: Bench) -> list[dict]:
@@ -298,6 +313,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=default, help=f"(default {default})")
     for flag, default in (("--period", 2.0), ("--duration", 30.0), ("--mixed-keep", 0.6), ("--ready-timeout", 1800)):
         p.add_argument(flag, type=float, default=default, help=f"(default {default})")
+    p.add_argument("--trace", type=Path, metavar="PREFIX",
+                   help="Triton's trace files: the server started traces every request into PREFIX.N (with --url, "
+                        "start it with trace_timeline.server_args(PREFIX)); ttft_30img and image_decode rows gain timeline_ms")
     p.add_argument("--log-file", type=Path, default=Path(tempfile.gettempdir()) / "zipmoe-bench-serving-server.log")
     p.add_argument("--out", type=Path, help="writes PREFIX.json and PREFIX.png")
     args = p.parse_args(argv)
@@ -335,8 +353,14 @@ def main(argv=None) -> int:
         result["checkpoint"] = display_path(checkpoint)
         ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
         print(f"starting tritonserver on {checkpoint} (log: {args.log_file}) ...", flush=True)
+        extra_args = list(args.extra_arg)
+        if args.trace is not None:  # a fresh trace: files of an earlier run would mix in
+            args.trace.parent.mkdir(parents=True, exist_ok=True)
+            for old in args.trace.parent.glob(args.trace.name + ".*"):
+                old.unlink()
+            extra_args += server_args(args.trace)
         with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=args.log_file,
-                                extra_args=args.extra_arg, overrides=overrides, **ports) as server:
+                                extra_args=extra_args, overrides=overrides, **ports) as server:
             server.wait_ready(timeout=args.ready_timeout)
             run_benches(Bench(server.url_grpc, server.url_http, server.url_metrics, args, routing), result, save)
     print(report.table(result))

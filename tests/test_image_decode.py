@@ -53,6 +53,14 @@ def encode(array: np.ndarray, fmt: str, mode: str = "RGB") -> bytes:
     return buf.getvalue()
 
 
+def oversized_jpeg(width: int, height: int) -> bytes:
+    """A small valid JPEG whose frame header announces width x height."""
+    jpeg = bytearray(encode(photo(8, 8), "JPEG"))
+    sof = jpeg.index(b"\xff\xc0")  # baseline frame: marker, length, precision, height, width
+    jpeg[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    return bytes(jpeg)
+
+
 def oversized_png(width: int, height: int) -> bytes:
     """A small valid PNG whose IHDR announces width x height (CRC fixed up)."""
     png = bytearray(encode(photo(8, 8), "PNG"))
@@ -226,6 +234,9 @@ BAD_REQUESTS = {
     # The IHDR says 20000x20000 but the file is tiny: refused from the header, before decoding
     # (decoding would fail differently, with "cannot decode").
     "oversized header": ([oversized_png(20000, 20000), JPEG], "image 0: 20000x20000 = 400000000 pixels"),
+    # The same from a JPEG's frame header (read without DALI), behind two images that pass.
+    "oversized JPEG header": ([JPEG, encode(photo(30, 40), "PNG"), oversized_jpeg(30000, 20000)],
+                              "image 2: 30000x20000 = 600000000 pixels"),
     "too many": ([JPEG] * 65, "65 images; this deployment accepts at most 64"),
     "aspect ratio": ([JPEG, encode(photo(10, 2500), "PNG")], "image 1: 2500x10: aspect ratio above 200:1"),
 }

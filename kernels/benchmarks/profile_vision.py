@@ -88,18 +88,21 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="512x512", help="WIDTHxHEIGHT of every image (multiples of patch x merge)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25, help="kernels and host operators kept")
+    ap.add_argument("--unfused", action="store_true",
+                    help="transformers' own LayerNorm, residual add and GELU instead of the fused ones (to compare)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     encoder = VisionEncoder(args.checkpoint, device, dtype, load_format=args.load_format)
+    encoder.fused_ops = encoder.fused_ops and not args.unfused
     width, height = parse_size(args.size)
     g = torch.Generator().manual_seed(0)
     # Normalised CHW, already on the device, as image_decode hands them over on a GPU.
     images = [torch.randn(3, height, width, generator=g).to(device) for _ in range(args.images)]
     features_ms = wall_ms(lambda: encoder.features(images), device.type == "cuda", args.reps)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "images": args.images,
-              "size": args.size, "features_ms": round(features_ms, 2), **profile_features(encoder, images, args.top)}
+              "size": args.size, "fused_ops": encoder.fused_ops, "features_ms": round(features_ms, 2), **profile_features(encoder, images, args.top)}
     print(f"features(): {features_ms:.1f} ms for {args.images} images of {args.size}; "
           f"kernels {result['kernel_ms']:.1f} ms", flush=True)
     for k in result["kernels"]:

@@ -1,8 +1,8 @@
 """`image_decode`: encoded images [N] -> Qwen-VL pixel values through DALI (`image_pipeline`).
 
-Per request: the count and empty-image checks; a header pass (DALI's peek_image_shape, CPU, no
-decoding) that refuses an image whose header announces more than max_image_pixels before anything
-that large is allocated; then the image pipeline decodes, smart-resizes, resizes and normalises the
+Per request: the count and empty-image checks; a header pass (a JPEG's frame header read directly,
+other formats through DALI's peek_image_shape, CPU, no decoding) that refuses an image whose header
+announces more than max_image_pixels before anything that large is allocated; then the image pipeline decodes, smart-resizes, resizes and normalises the
 whole request as one DALI batch. Errors name the image and never take the model down.
 Where a request's time goes is exported as counters (PHASES): reading the input, the checks with
 the header pass, the DALI run, and the copy into the output buffer; Triton's compute time minus
@@ -23,12 +23,12 @@ import triton_python_backend_utils as pb_utils
 from PIL import Image
 
 from ..image_pipeline import INPUT_NAME, DecoderOptions, ImageConfig, header_pipeline, image_pipeline
+from ..jpeg_header import jpeg_size, truncated_jpeg
 from ..serving.errors import BadInput
 from ..settings import resolve_device
 from .io import Metrics, error_response, instance_gpu, instance_labels, load_settings, resolve_checkpoint, strings
 
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
-EOI_WINDOW = 4096  # a JPEG's end-of-image marker must be within this many bytes of its end
 # phase -> (Prometheus counter of microseconds, help); requests counted beside them
 PHASES = {
     "input": ("zipmoe_image_decode_input_microseconds_total", "Reading the encoded images from the request"),
@@ -38,13 +38,6 @@ PHASES = {
                "Building the outputs: the pixels copied into their buffer (sizes alone: DALI's GPU work awaited)"),
 }
 REQUESTS = ("zipmoe_image_decode_requests_total", "Requests decoded (the phases' denominator)")
-
-
-def truncated_jpeg(data: np.ndarray) -> bool:
-    """A JPEG without its end-of-image marker near the end was cut short. nvJPEG on the GPU decodes
-    such data without complaint (grey fill), so this host check keeps CPU and GPU behaviour equal.
-    Entropy-coded data never holds FF D9 (FF is byte-stuffed), so the marker cannot be faked."""
-    return data[:2].tobytes() == b"\xff\xd8" and b"\xff\xd9" not in data[-EOI_WINDOW:].tobytes()
 
 
 def _dali_reason(error: Exception) -> str:
@@ -75,13 +68,14 @@ class _Pipe:
         self._pipe.feed_input(INPUT_NAME, images)
         return self._pipe.run()
 
-    def run(self, images: list[np.ndarray]):
+    def run(self, images: list[np.ndarray], numbers: list[int] | None = None):
+        """numbers: each image's number in the request, for errors (default: its place in `images`)."""
         try:
             return self._run(images)
         except RuntimeError as batch_error:
             self._pipe = self._build()
             error = batch_error
-        for i, image in enumerate(images):
+        for i, image in zip(numbers or range(len(images)), images):
             try:
                 self._run([image])
             except RuntimeError as e:
@@ -172,8 +166,15 @@ class TritonPythonModel:
                 raise BadInput(f"image {i}: cannot decode: the image data is corrupt or truncated (a JPEG without its end)")
         if not images:
             return
-        shapes = self.header.run(images)[0].as_array()
-        for i, (height, width, _) in enumerate(shapes.tolist()):
+        # JPEGs (nearly all traffic) by their frame header, read here in microseconds; the rest through
+        # DALI's header pass (nvImageCodec's parsers), one batch, which costs milliseconds whatever its size.
+        sizes = [jpeg_size(image) for image in images]
+        others = [i for i, size in enumerate(sizes) if size is None]
+        if others:
+            shapes = self.header.run([images[i] for i in others], others)[0].as_array()
+            for i, (height, width, _) in zip(others, shapes.tolist()):
+                sizes[i] = (height, width)
+        for i, (height, width) in enumerate(sizes):
             if height * width > self.max_image_pixels:
                 raise BadInput(f"image {i}: {width}x{height} = {height * width} pixels is more than "
                                f"max_image_pixels {self.max_image_pixels}")
