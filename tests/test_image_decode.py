@@ -1,6 +1,7 @@
 """image_decode: the DALI pipeline against Pillow and transformers (unit), and the served model (integration)."""
 from __future__ import annotations
 
+import base64
 import functools
 import io
 import struct
@@ -224,6 +225,27 @@ def test_served_sizes_alone_when_only_sizes_are_asked(client):
     result = client.infer("image_decode", [inp], outputs=[grpcclient.InferRequestedOutput("image_sizes")])
     assert result.as_numpy("image_sizes").tolist() == [[416, 576], [64, 64], [320, 512]]
     assert result.as_numpy("pixel_values") is None
+
+
+@pytest.mark.integration
+def test_served_base64_and_data_urls_decode_as_file_bytes(client):
+    """Images as HTTP clients send them (mm_qa hands the client's images to this model unchanged)."""
+    encoded = [base64.b64encode(GOOD[0]), b"data:image/jpeg;base64," + base64.b64encode(GOOD[1]), GOOD[2]]
+    assert [s.tolist() for s in decode(client, encoded)] == [s.tolist() for s in decode(client, GOOD)]
+
+
+@pytest.mark.integration
+def test_served_expected_images_must_match(client, cfg):
+    """mm_qa passes preprocess's image count: a request whose images number otherwise is refused."""
+    images = grpcclient.InferInput("images", [len(GOOD)], "BYTES")
+    images.set_data_from_numpy(np.array(GOOD, dtype=object))
+    expected = grpcclient.InferInput("expected_images", [1], "INT32")
+    expected.set_data_from_numpy(np.array([len(GOOD)], np.int32))
+    assert client.infer("image_decode", [images, expected]).as_numpy("image_sizes").shape == (len(GOOD), 2)
+    expected.set_data_from_numpy(np.array([len(GOOD) + 1], np.int32))
+    with pytest.raises(InferenceServerException, match=f"{len(GOOD)} images, but the prompt has places for {len(GOOD) + 1}"):
+        client.infer("image_decode", [images, expected])
+    assert_good_request_works(client, cfg)
 
 
 JPEG = encode(photo(100, 100), "JPEG")

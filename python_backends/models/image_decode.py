@@ -1,5 +1,9 @@
 """`image_decode`: encoded images [N] -> Qwen-VL pixel values through DALI (`image_pipeline`).
 
+The images come as the client sent them (file bytes over gRPC, base64 text over HTTP generate,
+data URLs: `image_input.decode_images`); in mm_qa straight from the ensemble's input, after
+preprocess (whose image count arrives as `expected_images`).
+
 Per request: the count and empty-image checks; a header pass (a JPEG's frame header read directly,
 other formats through DALI's peek_image_shape, CPU, no decoding) that refuses an image whose header
 announces more than max_image_pixels before anything that large is allocated; then the image pipeline decodes, smart-resizes, resizes and normalises the
@@ -22,11 +26,12 @@ import torch
 import triton_python_backend_utils as pb_utils
 from PIL import Image
 
+from ..image_input import decode_images
 from ..image_pipeline import INPUT_NAME, DecoderOptions, ImageConfig, header_pipeline, image_pipeline
 from ..jpeg_header import jpeg_size, truncated_jpeg
 from ..serving.errors import BadInput
 from ..settings import resolve_device
-from .io import Metrics, error_response, instance_gpu, instance_labels, load_settings, resolve_checkpoint, strings
+from .io import Metrics, error_response, instance_gpu, instance_labels, load_settings, resolve_checkpoint, scalar, strings
 
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer/shorter above this
 # phase -> (Prometheus counter of microseconds, help); requests counted beside them
@@ -135,8 +140,11 @@ class TritonPythonModel:
     def _one(self, request):
         times = [time.perf_counter()]  # the start, then the end of each of PHASES in order
         try:
-            images = [np.frombuffer(data, np.uint8) for data in strings(pb_utils, request, "images")]
+            images = [np.frombuffer(data, np.uint8) for data in decode_images(strings(pb_utils, request, "images"))]
             times.append(time.perf_counter())
+            expected = scalar(pb_utils, request, "expected_images", None, int)
+            if expected is not None and expected != len(images):
+                raise BadInput(f"{len(images)} images, but the prompt has places for {expected}")
             self._check(images)
             times.append(time.perf_counter())
             pixels, image_sizes = self._run(images)

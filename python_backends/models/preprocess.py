@@ -1,16 +1,17 @@
 """`preprocess`: question (+ images) -> prompt token ids through the checkpoint's chat template.
 
-The images come as the client sent them (file bytes over gRPC, base64 text over HTTP generate) and
-go on to image_decode as file bytes (`image_input.decode_images`)."""
+It reads only how many images came (one placeholder each) and hands that count on: in mm_qa,
+image_decode takes the images from the ensemble's input and the count from here, so the images'
+bytes never pass through this model and the ensemble stays one chain (preprocess, then
+image_decode)."""
 from __future__ import annotations
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..image_input import decode_images
 from ..prompt import ChatPrompt
 from ..serving.errors import BadInput
-from .io import error_response, load_settings, resolve_checkpoint, scalar, strings
+from .io import error_response, load_settings, resolve_checkpoint, scalar
 
 
 class TritonPythonModel:
@@ -26,13 +27,12 @@ class TritonPythonModel:
             question = scalar(pb_utils, request, "text_input", "", str)
             if not question.strip():
                 raise BadInput("text_input is empty: ask a question")
-            images = decode_images(strings(pb_utils, request, "images"))
-            ids = self.prompt.encode(question, len(images))
+            images = pb_utils.get_input_tensor_by_name(request, "images")
+            count = 0 if images is None else int(np.prod(images.shape()))  # the shape alone: no bytes read
+            ids = self.prompt.encode(question, count)
         except (BadInput, UnicodeDecodeError) as e:
             return error_response(pb_utils, f"preprocess: {e}")
-        # The images go on from here rather than from the ensemble's input: that makes the pipeline one
-        # chain, and Triton 2.51 crashes when one branch of an ensemble fails while another is in flight.
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32)),
-            pb_utils.Tensor("images_out", np.asarray(images, dtype=np.object_).reshape(-1)),
+            pb_utils.Tensor("image_count", np.asarray([count], dtype=np.int32)),
         ])
