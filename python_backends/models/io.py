@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import threading
 from pathlib import Path
 
@@ -30,18 +29,6 @@ def load_settings(args: dict, model: str) -> tuple:
     cfg = json.loads(args["model_config"])
     params = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
     return parse_parameters(params, *MODEL_SETTINGS[model], model=args.get("model_name", model))
-
-
-def limit_host_threads(device: torch.device) -> int:
-    """torch's host threads for a model whose math runs on a GPU: 1 unless OMP_NUM_THREADS says
-    otherwise (vLLM's convention for its GPU workers). Its host work is small bookkeeping tensors
-    (token selection, index arrays), and every stub process would otherwise keep a pool of one
-    thread per core; with several stubs, DALI's threads and tritonserver on one host, the pools
-    fight for the cores and a few-microsecond op waits on them. On a CPU the math runs there:
-    torch's default stays. Returns the thread count in force."""
-    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    return torch.get_num_threads()
 
 
 def instance_gpu(args: dict) -> int | None:

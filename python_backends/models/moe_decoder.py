@@ -23,8 +23,8 @@ from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
 from ..serving.shared_level import LevelWriter, segment_path
 from ..settings import resolve_device
-from .io import (Metrics, as_torch, error_response, get_input, instance_gpu, instance_labels, limit_host_threads,
-                 load_settings, read_options, resolve_checkpoint, scalar)
+from .io import (Metrics, as_torch, error_response, get_input, instance_gpu, instance_labels, load_settings,
+                 read_options, resolve_checkpoint, scalar)
 from .stub_safety import requested_outputs
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -92,11 +92,10 @@ class TritonPythonModel:
         # On a KIND_GPU instance, device auto is the GPU Triton gave it: one engine per listed GPU.
         engine_config = replace(engine_config, device=resolve_device(engine_config.device, instance_gpu(args)))
         engine = make_engine(checkpoint, engine_config)  # expert_parallel_size > 1: N processes, N GPUs
-        host_threads = limit_host_threads(engine.device)
         pb_utils.Logger.log_info(f"moe_decoder: {checkpoint} ({engine_config.load_format}) on {engine.device} "
                                  f"({engine.dtype}), KV cache of {engine.blocks.num_blocks} blocks: "
                                  f"{engine.kv_capacity_tokens} tokens, experts split over "
-                                 f"{engine_config.expert_parallel_size} process(es), {host_threads} host thread(s)")
+                                 f"{engine_config.expert_parallel_size} process(es)")
         self.engine = engine
         self._metric_families = families = Metrics(pb_utils, "moe_decoder", instance_labels(args))
         self.metrics = {**{k: families.counter(*v) for k, v in COUNTERS.items()},

@@ -17,8 +17,8 @@ from ..serving.shared_level import LevelReader, segment_path
 from ..settings import resolve_device_dtype
 from ..vision import VisionEncoder
 from ..visionzip import ImageFeatures, ImageTokens, compress, decoder_inputs
-from .io import (Metrics, as_torch, as_triton, error_response, instance_gpu, instance_labels, limit_host_threads,
-                 load_settings, resolve_checkpoint, scalar)
+from .io import (Metrics, as_torch, as_triton, error_response, instance_gpu, instance_labels, load_settings,
+                 resolve_checkpoint, scalar)
 
 
 def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list[torch.Tensor]:
@@ -55,7 +55,6 @@ class TritonPythonModel:
                                      settings.importance_layer, settings.budget_weighting,
                                      settings.load_format)
         self.multiple = self.encoder.patch * self.encoder.merge
-        limit_host_threads(device)  # its host work is VisionZip's choice over small tensors
         self._metric_families = families = Metrics(pb_utils, "vision_encoder", instance_labels(args))
         self.metrics = {name: families.counter(*metric) for name, metric in METRICS.items()}
         self.counts = dict.fromkeys(METRICS, 0)
