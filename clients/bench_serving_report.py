@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from zipmoe.clients.trace_timeline import longest
+
 PARTS = ("preprocess", "image_decode", "vision_forward", "visionzip", "vision_encoder", "decoder_ttft", "postprocess")
 
 
@@ -42,9 +44,8 @@ def table(result: dict) -> str:
             lines.append("    " + "; ".join(f"{k}: " + (", ".join(f"{p} {fmt(v, '.2f')}" for p, v in x.items())
                                                         if isinstance(x, dict) else str(x)) for k, x in extra.items()))
         if r.get("timeline_ms"):  # Triton's trace: the longest spans of a request, then the whole
-            spans = sorted(((k, v) for k, v in r["timeline_ms"].items() if k != "total"), key=lambda kv: -kv[1])
-            lines.append("    timeline_ms (longest): " + ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in spans[:8])
-                         + f"; total {fmt(r['timeline_ms'].get('total'), '.2f')}")
+            spans = ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in longest(r["timeline_ms"], 8))
+            lines.append(f"    timeline_ms (longest): {spans}; total {fmt(r['timeline_ms'].get('total'), '.2f')}")
     return "\n".join(lines)
 
 

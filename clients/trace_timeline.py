@@ -98,12 +98,15 @@ def median_segments(reqs: list[dict]) -> dict[str, float]:
     return {k: round(statistics.median(p[k] for p in per if k in p), 3) for k in keys}
 
 
-def format_segments(spans: dict[str, float], top: int = 0) -> str:
-    """One line per span; with top, only the `top` longest apart from the total."""
-    items = [(k, v) for k, v in spans.items() if k != "total"]
-    if top:
-        items = sorted(items, key=lambda kv: -kv[1])[:top]
-    return "\n".join(f"  {v:9.2f} ms  {k}" for k, v in items + [("total", spans.get("total", 0.0))])
+def longest(spans: dict[str, float], k: int) -> list[tuple[str, float]]:
+    """The k longest spans, the total left out."""
+    return sorted(((name, ms) for name, ms in spans.items() if name != "total"), key=lambda kv: -kv[1])[:k]
+
+
+def format_segments(spans: dict[str, float]) -> str:
+    """One line per span, in order, then the total."""
+    return "\n".join(f"  {v:9.2f} ms  {k}" for k, v in spans.items() if k != "total") + \
+        f"\n  {spans.get('total', 0.0):9.2f} ms  total"
 
 
 def main(argv=None) -> int:

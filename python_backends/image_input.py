@@ -4,8 +4,9 @@ Images reach the server three ways: raw file bytes in a gRPC BYTES tensor, base6
 of Triton's HTTP `generate` endpoints (which turns `"images": ["..."]` into a BYTES tensor of the
 strings' UTF-8), and `data:image/...;base64,...` URLs (the OpenAI frontend, or a client that sends
 one as it is). `image_decode` (where the mm_qa ensemble's images enter) and `mm_qa_bls` call
-`decode_images`, so the DALI pipeline, the vision encoder and the embedding cache only ever see file bytes; the
-OpenAI frontend calls it on the data URLs of a chat request and sends the file bytes on over gRPC.
+`decode_images`, so the DALI pipeline, the vision encoder and the embedding cache only ever see
+file bytes; the OpenAI frontend calls it on the data URLs of a chat request and sends the file
+bytes on over gRPC.
 """
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ class Calls:
         self.gate, self.busy = gate, busy  # decode waits for the gate; answers busy
         self.encoded, self.decoded, self.streams = [], [], []
 
-    def tokenize(self, question, images):
-        return np.arange(3 + len(images), dtype=np.int32)
+    def tokenize(self, question, image_count):
+        return np.arange(3 + image_count, dtype=np.int32)
 
     def encode_images(self, images):
         self.encoded.append(list(images))

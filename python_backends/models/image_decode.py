@@ -6,8 +6,8 @@ preprocess (whose image count arrives as `expected_images`).
 
 Per request: the count and empty-image checks; a header pass (a JPEG's frame header read directly,
 other formats through DALI's peek_image_shape, CPU, no decoding) that refuses an image whose header
-announces more than max_image_pixels before anything that large is allocated; then the image pipeline decodes, smart-resizes, resizes and normalises the
-whole request as one DALI batch. Errors name the image and never take the model down.
+announces more than max_image_pixels before anything that large is allocated; then the image
+pipeline decodes, smart-resizes, resizes and normalises the whole request as one DALI batch. Errors name the image and never take the model down.
 Where a request's time goes is exported as counters (PHASES): reading the input, the checks with
 the header pass, the DALI run, and the copy into the output buffer; Triton's compute time minus
 their sum is handing the response over.
@@ -142,10 +142,7 @@ class TritonPythonModel:
         try:
             images = [np.frombuffer(data, np.uint8) for data in decode_images(strings(pb_utils, request, "images"))]
             times.append(time.perf_counter())
-            expected = scalar(pb_utils, request, "expected_images", None, int)
-            if expected is not None and expected != len(images):
-                raise BadInput(f"{len(images)} images, but the prompt has places for {expected}")
-            self._check(images)
+            self._check(images, scalar(pb_utils, request, "expected_images", None, int))
             times.append(time.perf_counter())
             pixels, image_sizes = self._run(images)
             times.append(time.perf_counter())
@@ -164,7 +161,10 @@ class TritonPythonModel:
         self._count(times)
         return pb_utils.InferenceResponse(outputs)
 
-    def _check(self, images: list[np.ndarray]) -> None:
+    def _check(self, images: list[np.ndarray], expected: int | None) -> None:
+        """expected: how many images the prompt has places for (mm_qa), or None."""
+        if expected is not None and expected != len(images):
+            raise BadInput(f"{len(images)} images, but the prompt has places for {expected}")
         if len(images) > self.max_images:
             raise BadInput(f"{len(images)} images; this deployment accepts at most {self.max_images}")
         for i, image in enumerate(images):

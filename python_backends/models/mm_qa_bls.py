@@ -130,10 +130,10 @@ class BlsCalls:
         self.bells = bells
 
     @staticmethod
-    def tokenize(question: str, images: list[bytes]):
+    def tokenize(question: str, image_count: int):
         text_in = {"text_input": np.asarray([question.encode("utf-8")], np.object_)}
-        if images:
-            text_in["images"] = np.asarray(images, np.object_)
+        if image_count:  # preprocess reads only how many images came (their tensor's shape), not their bytes
+            text_in["images"] = np.full(image_count, b"", np.object_)
         return infer("preprocess", text_in, ["input_ids"])["input_ids"]
 
     @staticmethod

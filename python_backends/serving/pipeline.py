@@ -78,7 +78,7 @@ class DecoderStream(Protocol):
 
 class ModelCalls(Protocol):
     """The composed models (BLS calls in the adapter); tensors other than features are opaque here."""
-    def tokenize(self, question: str, images: list[bytes]) -> object: ...  # preprocess -> input_ids
+    def tokenize(self, question: str, image_count: int) -> object: ...  # preprocess -> input_ids
     def encode_images(self, images: list[bytes]) -> list[ImageFeatures]: ...  # image_decode -> vision_encoder
     def decode(self, inputs: dict) -> DecoderStream: ...  # moe_decoder
     def detokenize(self, outputs: dict) -> object: ...  # postprocess: a response's window -> text_output
@@ -240,7 +240,7 @@ class QAPipeline:
     def _answer(self, request: QARequest, sink: ClientSink) -> dict | None:
         """Relays the answer; returns its last response, for the caller to send with the final flag once
         the decoder's stream has ended (None: cancelled, or the decoder ended without one)."""
-        decoder_in = {"input_ids": self.calls.tokenize(request.question, request.images), **request.decoder_inputs}
+        decoder_in = {"input_ids": self.calls.tokenize(request.question, len(request.images)), **request.decoder_inputs}
         features = self._features(request.images) if request.images else []
         # The level is read after the vision work: the latest moment before the decoder takes the request.
         ratio = self.keep.choose(request.keep_ratio, request.priority, len(request.images))
