@@ -13,6 +13,8 @@ tpot_ms_p50/p90, itl_ms_p99, tokens_per_s, images_per_s (null where meaningless)
 ttft_30img    One request at a time, idle server: --images JPEGs of --image-size (repeatable) and a
               question, stream=true, --ttft-tokens tokens; per keep ratio --warmup, then --n requests.
               TTFT: sending to the first streamed response (opening the gRPC stream included; also min).
+              --channel persistent (default): every request opens its stream on one gRPC channel, as
+              perf_analyzer does; per-request: a new channel each, inside the timed span (the old way).
               breakdown_ms per request: Triton's compute_infer of preprocess, image_decode,
               vision_encoder (of which vision_forward and visionzip, when it exports those counters),
               postprocess; decoder_ttft is moe_decoder's arrival-to-first-token (queue + prefill).
@@ -47,6 +49,7 @@ prints a table and writes PREFIX.png (matplotlib) with bench_serving_report, whi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -79,11 +82,12 @@ def row(bench: str, keep_ratio=None, routing=None, concurrency=1, images=0, n=0,
                     "tokens_per_s": tokens_per_s, "images_per_s": images_per_s, **extra})
 
 
-def timed_stream(url: str, times: list | None = None, **inputs) -> tuple[float, list[float], dict]:
+def timed_stream(url: str, times: list | None = None, client=None, **inputs) -> tuple[float, list[float], dict]:
     """One streamed request: (send time, arrival of each response, last response), perf_counter clock.
-    `times` is filled as responses arrive, so another thread can watch it."""
+    `times` is filled as responses arrive, so another thread can watch it. client: an open gRPC client
+    (grpc_generate) whose channel the request reuses; None opens one inside the timed span."""
     times, last, start = [] if times is None else times, {}, time.perf_counter()
-    for last in grpc_generate(url, stream=True, **inputs):
+    for last in grpc_generate(url, stream=True, client=client, **inputs):
         times.append(time.perf_counter())
     return start, times, last
 
@@ -114,31 +118,47 @@ class Bench:
         return median_segments(reqs) if reqs else None
 
 
+@contextlib.contextmanager
+def channel(b: Bench):
+    """The gRPC client the sequential benches send every request on (--channel persistent), or None."""
+    if b.args.channel != "persistent":
+        yield None
+        return
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(b.url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
 def bench_ttft(b: Bench, size: tuple[int, int]) -> list[dict]:
     a, label = b.args, f"{size[0]}x{size[1]}"
     images = [synthetic_jpeg(i, size) for i in range(a.images)]
     rows = []
-    for keep in a.keep:
-        request = dict(text_input=QUESTION, images=images, max_tokens=a.ttft_tokens, ignore_eos=True,
-                       visual_keep_ratio=keep, priority=0)  # 0: measured at this keep ratio, never degraded
-        try:
-            for _ in range(a.warmup):
-                timed_stream(b.url, **request)
-            before, ttfts, since = b.snapshot(), [], time.monotonic_ns()
-            for _ in range(a.n):
-                start, times, last = timed_stream(b.url, **request)
-                ttfts.append((times[0] - start) * 1e3)
-            until, after = time.monotonic_ns(), b.snapshot()
-        except ServerError as e:  # e.g. more tokens than max_model_len: the other keep ratios still run
-            rows.append(row("ttft_30img", keep, b.routing, images=a.images, image_size=label, note=f"failed: {e}"))
-            continue
-        compute, queue = breakdown(before, after, a.n)
-        kept = sum(last.get("visual_tokens_kept") or [])
-        rows.append(row("ttft_30img", keep, b.routing, images=a.images, n=a.n, ttft=ttfts, image_size=label,
-                        ttft_ms_min=min(ttfts), visual_tokens=kept, breakdown_ms=compute, queue_ms=queue,
-                        timeline_ms=b.timeline(since, until, a.n),
-                        jpeg_kb=sum(map(len, images)) / len(images) / 1024,
-                        note=f"{a.images} images of {label}: {kept} visual tokens after VisionZip"))
+    with channel(b) as client:
+        for keep in a.keep:
+            request = dict(text_input=QUESTION, images=images, max_tokens=a.ttft_tokens, ignore_eos=True,
+                           visual_keep_ratio=keep, priority=0, client=client)  # priority 0: never degraded
+            try:
+                for _ in range(a.warmup):
+                    timed_stream(b.url, **request)
+                before, ttfts, since = b.snapshot(), [], time.monotonic_ns()
+                for _ in range(a.n):
+                    start, times, last = timed_stream(b.url, **request)
+                    ttfts.append((times[0] - start) * 1e3)
+                until, after = time.monotonic_ns(), b.snapshot()
+            except ServerError as e:  # e.g. more tokens than max_model_len: the other keep ratios still run
+                rows.append(row("ttft_30img", keep, b.routing, images=a.images, image_size=label, note=f"failed: {e}"))
+                continue
+            compute, queue = breakdown(before, after, a.n)
+            kept = sum(last.get("visual_tokens_kept") or [])
+            rows.append(row("ttft_30img", keep, b.routing, images=a.images, n=a.n, ttft=ttfts, image_size=label,
+                            ttft_ms_min=min(ttfts), visual_tokens=kept, breakdown_ms=compute, queue_ms=queue,
+                            channel=a.channel, timeline_ms=b.timeline(since, until, a.n),
+                            jpeg_kb=sum(map(len, images)) / len(images) / 1024,
+                            note=f"{a.images} images of {label}: {kept} visual tokens after VisionZip"))
     return rows
 
 
@@ -175,21 +195,22 @@ def bench_image_decode(b: Bench) -> list[dict]:
 
 def bench_tpot(b: Bench) -> list[dict]:
     a = b.args
-    request = dict(text_input=STORY, max_tokens=a.tpot_tokens, ignore_eos=True)
-    for _ in range(a.warmup):
-        timed_stream(b.url, **request)
-    before, ttfts, tpots, gaps = settled(b.scrape), [], [], []
-    for _ in range(a.n):
-        start, times, last = timed_stream(b.url, **request)
-        tokens = last["output_token_count"]
-        ttfts.append((times[0] - start) * 1e3)
-        tpots.append((times[-1] - times[0]) * 1e3 / max(tokens - 1, 1))
-        gaps.extend(np.diff(times) * 1e3)
+    with channel(b) as client:
+        request = dict(text_input=STORY, max_tokens=a.tpot_tokens, ignore_eos=True, client=client)
+        for _ in range(a.warmup):
+            timed_stream(b.url, **request)
+        before, ttfts, tpots, gaps = settled(b.scrape), [], [], []
+        for _ in range(a.n):
+            start, times, last = timed_stream(b.url, **request)
+            tokens = last["output_token_count"]
+            ttfts.append((times[0] - start) * 1e3)
+            tpots.append((times[-1] - times[0]) * 1e3 / max(tokens - 1, 1))
+            gaps.extend(np.diff(times) * 1e3)
     after = settled(b.scrape)
     steps, us = (diff(before, after, f"zipmoe_decode_{k}_total") for k in ("tokens", "microseconds"))
     return [row("tpot_c1", None, b.routing, n=a.n, ttft=ttfts, tpot=tpots, itl=gaps,
                 tokens_per_s=1e3 / pct(tpots, 50), tokens=tokens, itl_ms_p50=pct(gaps, 50),
-                server_tpot_ms=us / steps / 1e3 if steps else None,
+                server_tpot_ms=us / steps / 1e3 if steps else None, channel=a.channel,
                 experts_read=routing_effect(before, after)["experts_read"] if after else None)]
 
 
@@ -313,6 +334,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=default, help=f"(default {default})")
     for flag, default in (("--period", 2.0), ("--duration", 30.0), ("--mixed-keep", 0.6), ("--ready-timeout", 1800)):
         p.add_argument(flag, type=float, default=default, help=f"(default {default})")
+    p.add_argument("--channel", choices=("persistent", "per-request"), default="persistent",
+                   help="ttft_30img and tpot_c1: one gRPC channel for all requests, or one per request")
     p.add_argument("--trace", type=Path, metavar="PREFIX",
                    help="Triton's trace files: the server started traces every request into PREFIX.N (with --url, "
                         "start it with trace_timeline.server_args(PREFIX)); ttft_30img and image_decode rows gain timeline_ms")

@@ -89,12 +89,15 @@ def _grpc_response(result, error) -> tuple[dict | None, bool]:
 
 
 def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, outputs: list[str] | None = None,
-                  **inputs) -> Iterator[dict]:
+                  client=None, **inputs) -> Iterator[dict]:
     """Streams responses over gRPC (bidirectional stream; works for stream=True and False); `outputs`
-    names the outputs to return (None: all of them)."""
+    names the outputs to return (None: all of them). client: a tritonclient.grpc.InferenceServerClient
+    to open the stream on, kept open afterwards (one channel for many requests, as perf_analyzer
+    keeps); None: a channel of this request's own."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(url)
+    own = client is None
+    client = grpcclient.InferenceServerClient(url) if own else client
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     finished = False
@@ -111,7 +114,8 @@ def grpc_generate(url: str, model: str = "mm_qa", timeout: float = 300, outputs:
         # Cancel only a request still running (the caller stopped reading): cancelling one that has
         # already finished can leave the ensemble's bookkeeping stuck at server shutdown (2.51).
         client.stop_stream(cancel_requests=not finished)
-        client.close()
+        if own:
+            client.close()
 
 
 async def grpc_generate_async(client, model: str = "mm_qa", **inputs) -> AsyncIterator[dict]:

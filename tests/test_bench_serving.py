@@ -46,7 +46,7 @@ def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
     assert sorted(rows) == sorted(bench_serving.BENCHES)
     assert [(r["image_size"], r["keep_ratio"]) for r in rows["ttft_30img"]] == [("64x64", 1.0), ("64x64", 0.5)]
     for r in rows["ttft_30img"]:
-        assert r["n"] == 2 and r["images"] == 2 and r["routing"] == "topk"
+        assert r["n"] == 2 and r["images"] == 2 and r["routing"] == "topk" and r["channel"] == "persistent"
         assert positive(r["ttft_ms_p50"], r["ttft_ms_p90"], r["visual_tokens"]) and r["ttft_ms_p90"] >= r["ttft_ms_p50"]
         assert r["tpot_ms_p50"] is None and r["images_per_s"] is None
         b = r["breakdown_ms"]
@@ -101,7 +101,7 @@ def test_starts_one_server_with_overrides_and_extra_args(zipmoe_server, tiny_che
     monkeypatch.setattr(bench_serving, "device_info", lambda: ("cpu", None))
     argv = ["--checkpoint", str(tiny_checkpoint), "--set", "moe_decoder.routing_policy=oea",
             "--extra-arg=--cuda-memory-pool-byte-size=0:1073741824", "--bench", "tpot_c1", "--tpot-tokens", "4",
-            "--n", "1", "--warmup", "0", "--out", str(tmp_path / "own.json")]
+            "--n", "1", "--warmup", "0", "--channel", "per-request", "--out", str(tmp_path / "own.json")]
     assert bench_serving.main(argv) == 0
     kwargs, *rest = made
     assert rest == ["ready", "stopped"]
@@ -114,6 +114,7 @@ def test_starts_one_server_with_overrides_and_extra_args(zipmoe_server, tiny_che
     assert result["extra_args"] == ["--cuda-memory-pool-byte-size=0:1073741824"]
     (row,) = result["rows"]
     assert row["bench"] == "tpot_c1" and row["routing"] == "oea" and positive(row["tpot_ms_p50"])
+    assert row["channel"] == "per-request"
 
 
 def test_synthetic_jpegs_are_seeded_and_detailed():
