@@ -16,6 +16,7 @@ from pathlib import Path
 
 from zipmoe.clients.trace_timeline import longest
 
+TAIL = 90  # the ITL plot shows percentiles TAIL..100
 PARTS = ("preprocess", "image_decode", "vision_forward", "visionzip", "vision_encoder", "decoder_ttft", "postprocess")
 
 
@@ -74,16 +75,19 @@ def plot(result: dict, path: Path) -> bool:
             bottom += parts[part]
         left.bar(i, max(0.0, r["ttft_ms_p50"] - bottom), bottom=bottom, color="lightgrey",
                  label=None if i else "other (IPC, gRPC)")
-    left.set_xticks(range(len(ttft)), [f"{r['image_size']}\nkeep {r['keep_ratio']:g}" for r in ttft], fontsize=8)
+    config = lambda r: "\n" + r["config"].replace(", ", "\n") if r.get("config") else ""  # noqa: E731
+    left.set_xticks(range(len(ttft)), [f"{r['image_size']}\nkeep {r['keep_ratio']:g}{config(r)}" for r in ttft], fontsize=7)
     left.set(ylabel="ms")
     left.set_title(f"TTFT p50, {ttft[0]['images'] if ttft else 0} images, server parts stacked", fontsize=10)
     mixed = [r for r in result["rows"] if r["bench"] in ("mixed", "mixed_text") and r.get("itl_ms_quantiles")]
     for r in mixed:
         arrivals = "text prompts as long" if r["bench"] == "mixed_text" else f"{r['images']} images"
-        right.plot(r["itl_ms_quantiles"], range(101), label=f"{r['concurrency']} streams + {arrivals}")
+        config = f" ({r['config']})" if r.get("config") else ""  # a row's label in a comparison of set-ups
+        right.plot(r["itl_ms_quantiles"][TAIL:], range(TAIL, 101), marker=".",
+                   label=f"{r['concurrency']} streams + {arrivals}{config}")
         right.set_xscale("log")
     right.set(xlabel="inter-token gap, ms", ylabel="percentile")
-    right.set_title("mixed: ITL distribution of the text streams", fontsize=10)
+    right.set_title(f"mixed: ITL of the text streams, percentiles {TAIL}-100 (the target reads p99 / p50)", fontsize=10)
     for ax, rows in ((left, ttft), (right, mixed)):
         if rows:
             ax.legend(fontsize=7)

@@ -29,7 +29,6 @@ from PIL import Image
 from ..image_input import decode_images
 from ..image_pipeline import INPUT_NAME, DecoderOptions, ImageConfig, header_pipeline, image_pipeline
 from ..jpeg_header import jpeg_size, truncated_jpeg
-from ..serving import gpu_share
 from ..serving.errors import BadInput
 from ..settings import resolve_device
 from .io import Metrics, error_response, instance_gpu, instance_labels, load_settings, resolve_checkpoint, scalar, strings
@@ -105,9 +104,7 @@ def _warmup_images(count: int) -> list[np.ndarray]:
 
 class TritonPythonModel:
     def initialize(self, args):
-        location, settings, sharing = load_settings(args, "image_decode")
-        if warning := gpu_share.apply(sharing):  # before DALI or torch touch CUDA
-            pb_utils.Logger.log_warn(f"image_decode: {warning}")
+        location, settings = load_settings(args, "image_decode")
         checkpoint = resolve_checkpoint(args, location.checkpoint_path)
         cfg = ImageConfig.from_checkpoint(checkpoint)
         self.max_images, self.max_image_pixels = settings.max_images, settings.max_image_pixels

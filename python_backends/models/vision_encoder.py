@@ -11,7 +11,6 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from ..serving import gpu_share
 from ..serving.errors import BadInput, internal_error
 from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED, KeepChooser, check_priority
 from ..serving.shared_level import LevelReader, segment_path
@@ -49,9 +48,7 @@ METRICS = {
 
 class TritonPythonModel:
     def initialize(self, args):
-        location, settings, self.visionzip, sharing = load_settings(args, "vision_encoder")
-        if warning := gpu_share.apply(sharing):  # before anything here touches CUDA
-            pb_utils.Logger.log_warn(f"vision_encoder: {warning}")
+        location, settings, self.visionzip = load_settings(args, "vision_encoder")
         # On a KIND_GPU instance, device auto is the GPU Triton gave it: one tower per listed GPU.
         device, dtype = resolve_device_dtype(settings.device, settings.dtype, instance_gpu(args))
         self.encoder = VisionEncoder(resolve_checkpoint(args, location.checkpoint_path), device, dtype,

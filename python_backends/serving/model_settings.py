@@ -3,8 +3,8 @@
 A setting lives beside the code it configures: the engine's in `EngineConfig`, VisionZip's in
 `VisionZipConfig` (read by vision_encoder, and by mm_qa_bls from vision_encoder's config.pbtxt; the
 load-adaptive keep range too), the services' in `DecoderConfig` and `PipelineConfig`, the load
-controller's in `DegradationConfig` (moe_decoder), the GPU sharing of the two helper models under
-MPS in `GpuShareConfig`; the two models without a core of their own declare theirs here.
+controller's in `DegradationConfig` (moe_decoder); the two models without a core of their own
+declare theirs here.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from ..engine.engine import EngineConfig
 from ..settings import CheckpointConfig, device_setting, dtype_setting, load_format_setting, setting
 from ..visionzip import BUDGET_WEIGHTINGS, VisionZipConfig
 from .decoder import DecoderConfig
-from .gpu_share import GpuShareConfig
 from .load import DegradationConfig
 from .pipeline import PipelineConfig
 
@@ -44,8 +43,8 @@ class VisionEncoderConfig:
 MODEL_SETTINGS = {
     "preprocess": (CheckpointConfig,),
     "postprocess": (CheckpointConfig,),
-    "image_decode": (CheckpointConfig, ImageDecodeConfig, GpuShareConfig),
-    "vision_encoder": (CheckpointConfig, VisionEncoderConfig, VisionZipConfig, GpuShareConfig),
+    "image_decode": (CheckpointConfig, ImageDecodeConfig),
+    "vision_encoder": (CheckpointConfig, VisionEncoderConfig, VisionZipConfig),
     "moe_decoder": (CheckpointConfig, DecoderConfig, DegradationConfig, EngineConfig),
     "mm_qa_bls": (PipelineConfig,),
 }
