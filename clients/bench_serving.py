@@ -288,6 +288,7 @@ def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
                 itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
                 image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
                 preemptions=diff(before, after, "zipmoe_preemptions_total"),
+                gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),
                 experts_read=routing_effect(before, after)["experts_read"] if after else None,
                 image_size=a.image_size[0], note=f"{a.streams} streams + {what} every {a.period:g} s")]
 

@@ -42,6 +42,7 @@ def test_smoke_run_writes_a_servable_checkpoint(smoke):
     saved = json.loads((out / "train_log.json").read_text())
     assert saved["steps"] == 2 and saved["task_set"] == "v2" and torch.isfinite(torch.tensor(saved["final_loss"]))
     assert 0.0 <= saved["val_f1"] <= 1.0 and set(saved["val_by_task"]) <= set(ts.TASKS)
+    assert saved["val_blind_loss"] > 0 and all("blind_loss" in v for v in saved["validation"])
     assert saved["throughput"]["examples_per_second"] > 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vision_config"].get("_attn_implementation") != PACKED_IMAGE_ATTENTION  # a training-time choice

@@ -21,6 +21,7 @@ from ..serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
 from ..serving.doorbell import Ring
 from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
+from ..serving.gpu_turn import TurnWaiter, turn_path
 from ..serving.shared_level import LevelWriter, segment_path
 from ..settings import resolve_device
 from .io import (Metrics, as_torch, error_response, get_input, instance_gpu, instance_labels, load_settings,
@@ -107,7 +108,8 @@ class TritonPythonModel:
         self.service = DecoderService(engine, TokenBytes.from_tokenizer_json(checkpoint), service_config,
                                       publish=self._publish, log_error=pb_utils.Logger.log_error,
                                       observe=lambda name, value: self.histograms[name].observe(value),
-                                      degradation=degradation, on_level=self._on_level)
+                                      degradation=degradation, on_level=self._on_level,
+                                      gpu_turn=TurnWaiter(turn_path(args["model_repository"], self.device)))
 
     def _on_level(self, level: int, why: str) -> None:
         self.level.write(level)

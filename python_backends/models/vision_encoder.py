@@ -12,6 +12,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..serving.errors import BadInput, internal_error
+from ..serving.gpu_turn import TurnHolder, turn_path
 from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED, KeepChooser, check_priority
 from ..serving.shared_level import LevelReader, segment_path
 from ..settings import resolve_device_dtype
@@ -55,6 +56,7 @@ class TritonPythonModel:
                                      settings.importance_layer, settings.budget_weighting,
                                      settings.load_format)
         self.multiple = self.encoder.patch * self.encoder.merge
+        self.turn = TurnHolder(turn_path(args["model_repository"], device), settings.gpu_turn_ms)
         self._metric_families = families = Metrics(pb_utils, "vision_encoder", instance_labels(args))
         self.metrics = {name: families.counter(*metric) for name, metric in METRICS.items()}
         self.counts = dict.fromkeys(METRICS, 0)
@@ -80,25 +82,30 @@ class TritonPythonModel:
             except BadInput as e:
                 responses[i] = error_response(pb_utils, f"vision_encoder: {e}")
         if jobs:
-            start_s = time.perf_counter()
-            try:
-                feats = self.encoder.features([im for _, images, _ in jobs for im in images])
-            except Exception as e:  # one bad batch must not take the model down
-                for i, _, _ in jobs:
-                    responses[i] = error_response(pb_utils, internal_error("vision_encoder", e))
-                return responses
-            forward_s = time.perf_counter()
-            start = 0
-            for i, images, ratio in jobs:
-                mine = feats[start:start + len(images)]
-                start += len(images)
-                tokens = compress(mine, ratio, self.visionzip.context_fraction, self.visionzip.min_tokens_per_image)
-                wants = set(requests[i].requested_output_names())
-                responses[i] = self._response(tokens, ratio,
-                                              mine if wants & {"token_importance", "token_keys"} else None)
-            self._count(len(jobs), sum(len(images) for _, images, _ in jobs), forward_s - start_s,
-                        time.perf_counter() - forward_s)
+            with self.turn.held():  # moe_decoder on this GPU steps aside until the responses are built
+                self._run(jobs, requests, responses)
         return responses
+
+    def _run(self, jobs, requests, responses) -> None:
+        """One tower forward for the valid requests' images, then VisionZip and the response per request."""
+        start_s = time.perf_counter()
+        try:
+            feats = self.encoder.features([im for _, images, _ in jobs for im in images])
+        except Exception as e:  # one bad batch must not take the model down
+            for i, _, _ in jobs:
+                responses[i] = error_response(pb_utils, internal_error("vision_encoder", e))
+            return
+        forward_s = time.perf_counter()
+        start = 0
+        for i, images, ratio in jobs:
+            mine = feats[start:start + len(images)]
+            start += len(images)
+            tokens = compress(mine, ratio, self.visionzip.context_fraction, self.visionzip.min_tokens_per_image)
+            wants = set(requests[i].requested_output_names())
+            responses[i] = self._response(tokens, ratio,
+                                          mine if wants & {"token_importance", "token_keys"} else None)
+        self._count(len(jobs), sum(len(images) for _, images, _ in jobs), forward_s - start_s,
+                    time.perf_counter() - forward_s)
 
     def _count(self, requests: int, images: int, forward_s: float, visionzip_s: float) -> None:
         """Where a request's time goes: the tower's forward (shared by the call's requests; it ends with
@@ -124,3 +131,6 @@ class TritonPythonModel:
             arrays["token_keys"] = (torch.cat([f.keys for f in features]).float().numpy()
                                     if features else np.zeros((0, 1), np.float32))
         return pb_utils.InferenceResponse([as_triton(pb_utils, name, value) for name, value in arrays.items()])
+
+    def finalize(self):
+        self.turn.close()

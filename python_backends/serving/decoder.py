@@ -32,6 +32,7 @@ from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
 from .errors import SHUTTING_DOWN, internal_error, server_busy
+from .gpu_turn import TurnWaiter
 from .load import DegradationConfig, DegradationController, Load, RecentTTFT
 from .response_writer import CANCELLED, ResponseWriter
 
@@ -78,11 +79,12 @@ class DecoderService:
                  publish: Callable[[dict[str, float]], None] | None = None, log_error: Callable[[str], None] = print,
                  observe: Callable[[str, float], None] | None = None,
                  degradation: DegradationConfig = DegradationConfig(),
-                 on_level: Callable[[int, str], None] | None = None):
+                 on_level: Callable[[int, str], None] | None = None, gpu_turn: TurnWaiter | None = None):
         """publish(stats()) is called from the engine thread, at most every METRICS_PERIOD_S while
         it works and whenever a request ends; observe(decoder_metrics.HISTOGRAMS name, value) once
         per finished request and histogram; on_level(level, why) at each change of the degradation
-        level (never with ttft_target_ms 0)."""
+        level (never with ttft_target_ms 0); gpu_turn: before each step, wait while vision_encoder
+        holds this GPU (`gpu_turn`)."""
         self.engine = engine
         self.token_bytes = token_bytes
         self.config = config
@@ -99,9 +101,10 @@ class DecoderService:
         self._controller = (DegradationController(degradation.ttft_target_ms, engine.config.max_num_seqs)
                             if degradation.ttft_target_ms else None)
         self._on_level, self._ttfts, self._sampled_at = on_level, RecentTTFT(), 0.0
+        self._gpu_turn = gpu_turn
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "requests_rejected_busy", "ttft_us",
                                      "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
-                                     "visual_tokens_kept"), 0)
+                                     "visual_tokens_kept", "gpu_turn_waits", "gpu_turn_wait_us"), 0)
         self._keys = itertools.count()
         self._writer = ResponseWriter(config.response_threads)
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
@@ -181,6 +184,8 @@ class DecoderService:
         self._admit(block=not self.engine.has_work)
         self._drop_cancelled()
         self._drop_overdue()
+        if self.engine.has_work and self._gpu_turn is not None:
+            self._wait_for_turn()
         results = self.engine.step() if self.engine.has_work else []
         self._note_admitted()
         self._sample_load()
@@ -198,6 +203,13 @@ class DecoderService:
             self._log_error(f"moe_decoder metrics: {e!r}")
         for p, response, final in replies:
             self._send(p, response, final)
+
+    def _wait_for_turn(self) -> None:
+        """Holds the next step back while vision_encoder has this GPU, or until a request arrives."""
+        waited = self._gpu_turn.wait(arrived=lambda: not self._inbox.empty())
+        if waited:
+            self.counts["gpu_turn_waits"] += 1
+            self.counts["gpu_turn_wait_us"] += int(waited * 1e6)
 
     def _maybe_publish(self, force: bool) -> None:
         now = time.monotonic()

@@ -12,6 +12,8 @@ COUNTERS = {
     "engine_steps": ("zipmoe_engine_steps_total", "Engine steps run: decode, prompt chunks or both"),
     "engine_steps_pipelined": ("zipmoe_engine_steps_pipelined_total",
                                "Decode steps launched before the previous step's tokens were read back (async_scheduling)"),
+    "gpu_turn_waits": ("zipmoe_gpu_turn_waits_total", "Steps held back while vision_encoder had the GPU (gpu_turn_ms)"),
+    "gpu_turn_wait_us": ("zipmoe_gpu_turn_wait_microseconds_total", "Time those steps were held back, summed"),
     "requests_cancelled": ("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled"),
     "requests_rejected_busy": ("zipmoe_requests_rejected_busy_total",
                                "Requests refused busy: max_waiting_requests waiting, or max_queue_delay_ms passed"),

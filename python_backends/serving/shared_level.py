@@ -1,5 +1,6 @@
 """The degradation level across processes: each moe_decoder instance writes its own, vision_encoder and
-mm_qa_bls read the highest.
+mm_qa_bls read the highest. (`gpu_turn` uses the same slots the other way round: vision_encoder
+instances write, moe_decoder reads the highest, in a segment of another `kind`.)
 
 Each Triton Python model instance runs in a stub process of its own, so the level (`serving.load`)
 crosses through shared memory: a file under /dev/shm (tmpfs, memory only) that each process maps. Its
@@ -54,12 +55,13 @@ LEVEL_OFFSET = 8  # of the level inside a slot
 RECHECK_S = 1.0
 
 
-def segment_path(model_folder: str | Path) -> Path:
-    """args["model_repository"] of any model of a server (that model's folder) -> its server's segment."""
+def segment_path(model_folder: str | Path, kind: str = "level") -> Path:
+    """args["model_repository"] of any model of a server (that model's folder) -> its server's segment
+    of that kind."""
     repository = Path(model_folder).resolve().parent
     digest = hashlib.sha256(str(repository).encode()).hexdigest()[:16]
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return root / f"zipmoe-level-{digest}"
+    return root / f"zipmoe-{kind}-{digest}"
 
 
 def file_id(fd: int) -> tuple[int, int]:
@@ -112,7 +114,7 @@ class LevelWriter:
         free = [i for i, (pid, _) in enumerate(slots(self._map)) if not pid]
         if not free:
             self._map.close()
-            raise RuntimeError(f"{self.path}: all {SLOTS} level slots are taken by live moe_decoder instances")
+            raise RuntimeError(f"{self.path}: all {SLOTS} slots are taken by live writers")
         SLOT.pack_into(self._map, free[0] * SLOT.size, os.getpid(), 0)
         return free[0]
 

@@ -1,0 +1,84 @@
+"""Turns on a shared GPU: while vision_encoder works on a request, moe_decoder launches no step.
+
+Why. vision_encoder and moe_decoder are two processes, each with its own CUDA context on the same
+GPU, and the GPU time-slices between contexts. A 30-image forward (about 72 ms at the 30B shape on
+an H200) then stretches every decode step that runs beside it, and the running streams see some
+ten slow gaps per image request: about 3 % of all their gaps above 2.5x the median in the
+`mixed` bench, where the prompt's own step gives one long gap per stream per request (0.4 %;
+docs/PERFORMANCE.md, session 15). Taking turns, the tower's work runs alone, the streams pause
+once for it, and the request's prompt step follows at once: one long gap per stream and request.
+
+How. The holder, vision_encoder with `gpu_turn_ms` > 0, writes into a shared segment of its
+server and GPU (`shared_level`'s slots, one per holder) the CLOCK_MONOTONIC deadline up to which it
+holds the GPU: now + gpu_turn_ms when a batch of requests starts, now + HANDOFF_MS when its
+responses are built (the time they take to reach moe_decoder), so a holder that dies or hangs
+blocks nobody for longer. The waiter, moe_decoder's engine thread before each step while it has
+work, sleeps while any holder's deadline is ahead, and stops at once when a request arrives (the
+image request whose tokens were just made, so its prompt step is the next one). Devices other
+than CUDA take no turns: `turn_path` is None for them.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .shared_level import LevelReader, LevelWriter, segment_path
+
+HANDOFF_MS = 10.0  # the holder's outputs reach moe_decoder within a few ms (session 14's trace: ~1 ms)
+POLL_S = 0.0002
+
+
+def turn_path(model_folder: str | Path, device: torch.device | str) -> Path | None:
+    """The segment of a server's GPU (args["model_repository"] of any of its models), None off CUDA.
+    A bare `cuda` is the current device, the one its kernels run on."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return segment_path(model_folder, f"gpu{index}-turn")
+
+
+class TurnHolder:
+    """vision_encoder's side: `with holder.held(): ...` around the work of one execute()."""
+
+    def __init__(self, path: Path | None, turn_ms: float):
+        self.turn_ns = int(turn_ms * 1e6)
+        self._writer = LevelWriter(path) if path is not None and turn_ms > 0 else None
+
+    @contextlib.contextmanager
+    def held(self):
+        if self._writer is None:
+            yield
+            return
+        self._writer.write(time.monotonic_ns() + self.turn_ns)
+        try:
+            yield
+        finally:
+            self._writer.write(time.monotonic_ns() + int(HANDOFF_MS * 1e6))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class TurnWaiter:
+    """moe_decoder's side: `wait()` before a step."""
+
+    def __init__(self, path: Path | None):
+        self._reader = LevelReader(path) if path is not None else None
+
+    def wait(self, arrived: Callable[[], bool]) -> float:
+        """Sleeps while a holder's deadline is ahead, or until arrived() says a request came;
+        returns the seconds slept (0.0 when no holder holds the GPU)."""
+        if self._reader is None:
+            return 0.0
+        start = time.monotonic_ns()
+        now = start
+        while self._reader.read() > now and not arrived():
+            time.sleep(POLL_S)
+            now = time.monotonic_ns()
+        return (now - start) / 1e9
