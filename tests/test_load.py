@@ -201,7 +201,7 @@ def test_writers_in_one_process_get_their_own_slots_until_none_is_left(tmp_path)
     second.write(0)  # the loaded GPU recovers: the other one's level holds
     assert reader.read() == 1
     more = [LevelWriter(path) for _ in range(SLOTS - 2)]
-    with pytest.raises(RuntimeError, match=f"all {SLOTS} level slots"):
+    with pytest.raises(RuntimeError, match=f"all {SLOTS} slots"):
         LevelWriter(path)
     for writer in [second, *more]:
         writer.close()

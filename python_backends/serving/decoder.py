@@ -101,7 +101,7 @@ class DecoderService:
         self._controller = (DegradationController(degradation.ttft_target_ms, engine.config.max_num_seqs)
                             if degradation.ttft_target_ms else None)
         self._on_level, self._ttfts, self._sampled_at = on_level, RecentTTFT(), 0.0
-        self._gpu_turn = gpu_turn
+        self._gpu_turn, self._waited_last = gpu_turn, False
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "requests_rejected_busy", "ttft_us",
                                      "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
                                      "visual_tokens_kept", "gpu_turn_waits", "gpu_turn_wait_us"), 0)
@@ -181,11 +181,11 @@ class DecoderService:
                     self._fail(p, internal_error("moe_decoder engine step", e))
 
     def _iterate(self):
+        if self.engine.has_work and self._gpu_turn is not None:
+            self._wait_for_turn()  # first: a request that ends the wait is admitted into the step that follows
         self._admit(block=not self.engine.has_work)
         self._drop_cancelled()
         self._drop_overdue()
-        if self.engine.has_work and self._gpu_turn is not None:
-            self._wait_for_turn()
         results = self.engine.step() if self.engine.has_work else []
         self._note_admitted()
         self._sample_load()
@@ -205,8 +205,14 @@ class DecoderService:
             self._send(p, response, final)
 
     def _wait_for_turn(self) -> None:
-        """Holds the next step back while vision_encoder has this GPU, or until a request arrives."""
-        waited = self._gpu_turn.wait(arrived=lambda: not self._inbox.empty())
+        """Holds the next step back while vision_encoder has this GPU, until a request arrives or the
+        service stops; never two steps in a row, so turns that follow one another closely still leave
+        the running streams a step between them, and the step after a request's arrival admits it."""
+        if self._waited_last:
+            self._waited_last = False
+            return
+        waited = self._gpu_turn.wait(arrived=lambda: self._stop.is_set() or not self._inbox.empty())
+        self._waited_last = waited > 0
         if waited:
             self.counts["gpu_turn_waits"] += 1
             self.counts["gpu_turn_wait_us"] += int(waited * 1e6)

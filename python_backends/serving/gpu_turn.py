@@ -12,10 +12,14 @@ How. The holder, vision_encoder with `gpu_turn_ms` > 0, writes into a shared seg
 server and GPU (`shared_level`'s slots, one per holder) the CLOCK_MONOTONIC deadline up to which it
 holds the GPU: now + gpu_turn_ms when a batch of requests starts, now + HANDOFF_MS when its
 responses are built (the time they take to reach moe_decoder), so a holder that dies or hangs
-blocks nobody for longer. The waiter, moe_decoder's engine thread before each step while it has
-work, sleeps while any holder's deadline is ahead, and stops at once when a request arrives (the
-image request whose tokens were just made, so its prompt step is the next one). Devices other
-than CUDA take no turns: `turn_path` is None for them.
+blocks nobody for longer. The waiter, moe_decoder's engine thread before a step while it has work,
+sleeps while any holder's deadline is ahead (the deadline it saw first, or a release's if sooner),
+and stops at once when a request arrives (the image request whose tokens were just made: the step
+that follows admits it, and that turn is not waited for again). It never holds back two steps in a
+row (`DecoderService._wait_for_turn`), so back-to-back turns still leave the streams a step
+between them. With async scheduling the step already running finishes on the GPU during the
+wait, but its tokens go out after it, with the next step. Devices other than CUDA take no turns:
+`turn_path` is None for them.
 """
 from __future__ import annotations
 
@@ -70,15 +74,22 @@ class TurnWaiter:
 
     def __init__(self, path: Path | None):
         self._reader = LevelReader(path) if path is not None else None
+        self._answered = 0  # the deadline of the last turn a request's arrival ended
 
     def wait(self, arrived: Callable[[], bool]) -> float:
         """Sleeps while a holder's deadline is ahead, or until arrived() says a request came;
-        returns the seconds slept (0.0 when no holder holds the GPU)."""
+        returns the seconds slept (0.0 when no holder holds the GPU). A release shortens the wait,
+        a turn taken meanwhile never lengthens it, and a turn whose request has arrived is not
+        waited for again."""
         if self._reader is None:
             return 0.0
-        start = time.monotonic_ns()
-        now = start
-        while self._reader.read() > now and not arrived():
+        start = now = time.monotonic_ns()
+        until = current = self._reader.read()
+        while until > now and current != self._answered:
+            if arrived():
+                self._answered = current
+                break
             time.sleep(POLL_S)
-            now = time.monotonic_ns()
+            now, current = time.monotonic_ns(), self._reader.read()
+            until = min(until, current)
         return (now - start) / 1e9
