@@ -101,7 +101,7 @@ class DecoderService:
         self._controller = (DegradationController(degradation.ttft_target_ms, engine.config.max_num_seqs)
                             if degradation.ttft_target_ms else None)
         self._on_level, self._ttfts, self._sampled_at = on_level, RecentTTFT(), 0.0
-        self._gpu_turn, self._waited_last = gpu_turn, False
+        self._gpu_turn = gpu_turn
         self.counts = dict.fromkeys(("requests_completed", "requests_cancelled", "requests_rejected_busy", "ttft_us",
                                      "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
                                      "visual_tokens_kept", "gpu_turn_waits", "gpu_turn_wait_us"), 0)
@@ -205,14 +205,9 @@ class DecoderService:
             self._send(p, response, final)
 
     def _wait_for_turn(self) -> None:
-        """Holds the next step back while vision_encoder has this GPU, until a request arrives or the
-        service stops; never two steps in a row, so turns that follow one another closely still leave
-        the running streams a step between them, and the step after a request's arrival admits it."""
-        if self._waited_last:
-            self._waited_last = False
-            return
+        """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
+        a row), until a request arrives, which the step that follows admits, or the service stops."""
         waited = self._gpu_turn.wait(arrived=lambda: self._stop.is_set() or not self._inbox.empty())
-        self._waited_last = waited > 0
         if waited:
             self.counts["gpu_turn_waits"] += 1
             self.counts["gpu_turn_wait_us"] += int(waited * 1e6)

@@ -16,8 +16,7 @@ blocks nobody for longer. The waiter, moe_decoder's engine thread before a step 
 sleeps while any holder's deadline is ahead (the deadline it saw first, or a release's if sooner),
 and stops at once when a request arrives (the image request whose tokens were just made: the step
 that follows admits it, and that turn is not waited for again). It never holds back two steps in a
-row (`DecoderService._wait_for_turn`), so back-to-back turns still leave the streams a step
-between them. With async scheduling the step already running finishes on the GPU during the
+row, so back-to-back turns still leave the streams a step between them. With async scheduling the step already running finishes on the GPU during the
 wait, but its tokens go out after it, with the next step. Devices other than CUDA take no turns:
 `turn_path` is None for them.
 """
@@ -70,18 +69,20 @@ class TurnHolder:
 
 
 class TurnWaiter:
-    """moe_decoder's side: `wait()` before a step."""
+    """moe_decoder's side: `wait()` before each step."""
 
     def __init__(self, path: Path | None):
         self._reader = LevelReader(path) if path is not None else None
         self._answered = 0  # the deadline of the last turn a request's arrival ended
+        self._waited_last = False  # the last call held its step back: this one lets the step go
 
     def wait(self, arrived: Callable[[], bool]) -> float:
         """Sleeps while a holder's deadline is ahead, or until arrived() says a request came;
-        returns the seconds slept (0.0 when no holder holds the GPU). A release shortens the wait,
-        a turn taken meanwhile never lengthens it, and a turn whose request has arrived is not
-        waited for again."""
-        if self._reader is None:
+        returns the seconds slept (0.0 when no holder holds the GPU, and after a call that slept).
+        A release shortens the wait, a turn taken meanwhile never lengthens it, and a turn whose
+        request has arrived is not waited for again."""
+        if self._reader is None or self._waited_last:
+            self._waited_last = False
             return 0.0
         start = now = time.monotonic_ns()
         until = current = self._reader.read()
@@ -92,4 +93,5 @@ class TurnWaiter:
             time.sleep(POLL_S)
             now, current = time.monotonic_ns(), self._reader.read()
             until = min(until, current)
+        self._waited_last = now > start
         return (now - start) / 1e9
