@@ -130,15 +130,18 @@ def answer_texts(logits: torch.Tensor, labels: torch.Tensor, tokenizer) -> tuple
     return out
 
 
-def validate(model, loader, device, tokenizer, temporal: int) -> dict:
+def validate(model, loader, device, tokenizer, temporal: int, reading: TokenReadingHead | None = None) -> dict:
     """Validation loss; teacher-forced exact match (every answer token) and token F1 of the
     decoded answers (clients/quality_metrics), overall and per task; and blind_loss, the loss of
     the same batches with every image blank (mid-grey): a decoder that reads the images has a
-    lower loss with them. (Session 15's 6-minute run did not: 1.330 with its images, 1.328 blank.)"""
-    losses, blind, rows = [], [], []
+    lower loss with them. (Session 15's 6-minute run did not: 1.330 with its images, 1.328 blank.)
+    reading: also report its `visual_stats` of the images' forwards (mean over batches), "visual"."""
+    losses, blind, rows, visual = [], [], [], []
     on_device = functools.partial(to_device, dev=device, temporal=temporal)
     for task, batch, out in eval_batches(model, loader, device, on_device):
         losses.append(float(out.loss))
+        if reading is not None:
+            visual.append(reading.visual_stats())
         with torch.no_grad(), autocast(device):
             blind.append(float(model(**{**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}).loss))
         hits = answer_exact_match(out.logits, batch["labels"]).tolist()
@@ -153,7 +156,9 @@ def validate(model, loader, device, tokenizer, temporal: int) -> dict:
     return {"loss": round(sum(losses) / len(losses), 4), "blind_loss": round(sum(blind) / len(blind), 4),
             "exact_match": round(sum(r[1] for r in rows) / len(rows), 4),
             "f1": round(sum(r[2] for r in rows) / len(rows), 4),
-            "squad_exact": round(sum(r[3] for r in rows) / len(rows), 4), "by_task": by_task}
+            "squad_exact": round(sum(r[3] for r in rows) / len(rows), 4), "by_task": by_task,
+            **({"visual": {k: [round(sum(v) / len(v), 4) for v in zip(*(b[k] for b in visual))] for k in visual[0]}}
+               if visual else {})}
 
 
 def write_preprocessor_config(out: Path) -> None:
@@ -167,11 +172,11 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3) -> dict:
+          read_fraction: float = 0.3, centering: float = 1.0) -> dict:
     run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
-    reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size).to(dev)
+    reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size, centering).to(dev)
     print(f"{run.out}: {run.params / 1e6:.1f} M parameters ({2 * run.params / 1e6:.1f} MB in bf16), training on {dev}")
 
     # ~21 ms of CPU per example (rendering three large images): the loader needs the machine's cores.
@@ -179,7 +184,7 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
     train_loader, val_loader = loaders(run, train_set, TaskSetV2Dataset(run.out, "validation", val_examples), batch, workers,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
-                 "reading_loss": reading_loss, "read_fraction": read_fraction, "task_set": "v2"}
+                 "reading_loss": reading_loss, "read_fraction": read_fraction, "centering": centering, "task_set": "v2"}
     counted = {"examples": 0, "tokens": 0, "patches": 0}
 
     def count_and_move(data: dict) -> dict:
@@ -188,14 +193,14 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
         counted["patches"] += data["pixel_values"].shape[0]
         return to_device(data, dev, temporal)
 
-    validation = functools.partial(validate, run.model, val_loader, dev, run.tokenizer, temporal)
+    validation = functools.partial(validate, run.model, val_loader, dev, run.tokenizer, temporal, reading)
     seconds = fit(run, reading, train_loader, log, steps=steps, lr=lr, minutes=minutes, reading_loss=reading_loss,
                   val_every_minutes=val_every_minutes, validate=validation, to_device=count_and_move)
     # Includes validation time and the workers' start: a lower bound of the training rate.
     log["throughput"] = {f"{k}_per_second": round(v / seconds, 1) for k, v in counted.items()}
     final = validation()
     log.update(val_loss=final["loss"], val_blind_loss=final["blind_loss"], val_exact_match=final["exact_match"],
-               val_f1=final["f1"], val_by_task=final["by_task"])
+               val_f1=final["f1"], val_by_task=final["by_task"], val_visual=final["visual"])
     print(f"{run.out}: {log['steps']} steps in {log['minutes']} min ({log['skipped_steps']} non-finite skipped), "
           f"{log['throughput']}, final loss {log['final_loss']}, validation loss {log['val_loss']:.4f} "
           f"({log['val_blind_loss']:.4f} with blank images), "
@@ -228,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read", dest="read_fraction", type=float, default=None,
                    help="share of training examples that are read-entry questions (training only; "
                         f"default {default['read_fraction']})")
+    p.add_argument("--centering", type=float, default=None,
+                   help="weight of the penalty on the visual tokens' shared mean vector (TokenReadingHead; "
+                        f"0: off; default {default['centering']})")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)

@@ -77,15 +77,17 @@ class SplitDataset(Dataset):
 
 class MergedTokensHead(torch.nn.Module):
     """Base of the training-only reading heads on the vision tower (not saved with the checkpoint):
-    a forward hook keeps the tower's merged tokens of the last forward for the subclass's `loss`."""
+    a forward hook keeps the tower's merged tokens (and its DeepStack features) of the last forward
+    for the subclass's `loss`."""
 
     def __init__(self, visual: torch.nn.Module):
         super().__init__()
         self.merged: torch.Tensor | None = None
+        self.deepstack: list[torch.Tensor] = []
         visual.register_forward_hook(self._keep_merged_tokens)
 
     def _keep_merged_tokens(self, module, args, output) -> None:
-        self.merged = output.pooler_output
+        self.merged, self.deepstack = output.pooler_output, list(output.deepstack_features or [])
 
 
 def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
