@@ -59,6 +59,13 @@ def test_the_wait_never_outlasts_the_holders_deadline(tmp_path):
     holder.close()
 
 
+def test_a_batch_without_images_takes_no_turn(tmp_path):
+    holder = TurnHolder(tmp_path / "turn", 5_000)
+    with holder.held(False):  # text-only requests pass through vision_encoder in mm_qa
+        assert TurnWaiter(tmp_path / "turn").wait(arrived=lambda: False) == 0.0
+    holder.close()
+
+
 def test_an_arrival_ends_the_wait(tmp_path):
     holder = TurnHolder(tmp_path / "turn", 5_000)
     calls = []

@@ -240,35 +240,14 @@ def test_common_mode_share():
     assert abs(float(common_mode_share(torch.ones(4, 8))) - 1.0) < 1e-6
 
 
-def test_centering_penalty_centres_the_visual_tokens(smoke):
-    """The tower at initialisation keeps most of its tokens' energy in their mean vector; a few
-    steps on the penalty alone bring every visual feature (merged tokens, DeepStack) down to the
-    allowance, and the stats report it."""
+def test_visual_stats_cover_merged_tokens_and_deepstack(smoke):
     from transformers import Qwen3VLMoeForConditionalGeneration
     from zipmoe.build.train_v2_vision import TokenReadingHead
     batch = _batch(smoke[0], "train", 2)
-    readings, _ = batch.pop("readings"), batch.pop("task")
-    batch["pixel_values"] = device_pixels(batch["pixel_values"], 2)
-    torch.manual_seed(0)
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke[0], dtype=torch.float32)
-    visual = model.model.visual
-    head = TokenReadingHead(visual, model.config.vision_config.out_hidden_size, centering=1.0)
-    inputs = dict(hidden_states=batch["pixel_values"], grid_thw=batch["image_grid_thw"])
-    visual(**inputs)
-    before = head.visual_stats()
-    assert len(before["common_mode"]) == 1 + len(model.config.vision_config.deepstack_visual_indexes)
-    assert max(before["common_mode"]) > head.COMMON_MODE_ALLOWANCE
-    penalty = float(head.common_mode_penalty())
-    assert penalty > 0
-    head.centering = 0.0
-    reading_only = float(head.loss(readings))
-    head.centering = 2.0
-    assert abs(float(head.loss(readings)) - (reading_only + 2.0 * penalty)) < 1e-4
-    opt = torch.optim.Adam(visual.parameters(), lr=1e-3)
-    for _ in range(30):
-        visual(**inputs)
-        opt.zero_grad()
-        head.common_mode_penalty().backward()
-        opt.step()
-    visual(**inputs)
-    assert max(head.visual_stats()["common_mode"]) <= head.COMMON_MODE_ALLOWANCE + 0.05
+    head = TokenReadingHead(model.model.visual, model.config.vision_config.out_hidden_size)
+    model.model.visual(device_pixels(batch["pixel_values"], 2), grid_thw=batch["image_grid_thw"])
+    stats = head.visual_stats()
+    n = 1 + len(model.config.vision_config.deepstack_visual_indexes)
+    assert len(stats["token_norm"]) == len(stats["common_mode"]) == n
+    assert all(v > 0 for v in stats["token_norm"]) and all(0 <= v <= 1 for v in stats["common_mode"])

@@ -82,7 +82,8 @@ class TritonPythonModel:
             except BadInput as e:
                 responses[i] = error_response(pb_utils, f"vision_encoder: {e}")
         if jobs:
-            with self.turn.held():  # moe_decoder on this GPU steps aside until the responses are built
+            # moe_decoder on this GPU steps aside until the responses are built (text-only: no turn)
+            with self.turn.held(any(images for _, images, _ in jobs)):
                 self._run(jobs, requests, responses)
         return responses
 

@@ -46,15 +46,17 @@ def turn_path(model_folder: str | Path, device: torch.device | str) -> Path | No
 
 
 class TurnHolder:
-    """vision_encoder's side: `with holder.held(): ...` around the work of one execute()."""
+    """vision_encoder's side: `with holder.held(images > 0): ...` around the work of one execute()."""
 
     def __init__(self, path: Path | None, turn_ms: float):
         self.turn_ns = int(turn_ms * 1e6)
         self._writer = LevelWriter(path) if path is not None and turn_ms > 0 else None
 
     @contextlib.contextmanager
-    def held(self):
-        if self._writer is None:
+    def held(self, active: bool = True):
+        """active False (a batch without images: text-only requests pass through the tower's model
+        in mm_qa): no turn, the decoder is not held back for them."""
+        if self._writer is None or not active:
             yield
             return
         self._writer.write(time.monotonic_ns() + self.turn_ns)

@@ -39,7 +39,7 @@ class VisionEncoderConfig:
         "distinct", "how a request's images share its budget: distinct (by distinct tokens) or size (by tokens)",
         choices=BUDGET_WEIGHTINGS)
     gpu_turn_ms: float = setting(
-        0.0, "on a GPU: moe_decoder on the same GPU launches no step while the tower works on a batch, for at most "
+        250.0, "on a GPU: moe_decoder on the same GPU launches no step while the tower works on a batch, for at most "
              "this long (serving/gpu_turn.py); 0: the two share the GPU as the driver time-slices them", min=0.0)
 
 
