@@ -69,7 +69,7 @@ def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
     assert positive(mixed["ttft_ms_p50"], mixed["ttft_ms_p90"], mixed["tpot_ms_p50"], mixed["itl_ms_p50"],
                     mixed["itl_ms_p99"], mixed["tokens_per_s"])
     assert len(mixed["itl_ms_quantiles"]) == 101
-    assert mixed["gpu_turn_waits"] == 0  # exported; no turns on a CPU (vision_encoder's gpu_turn_ms is 0 anyway)
+    assert mixed["gpu_turn_waits"] == 0  # exported; no turns on a CPU (gpu_turn_ms does nothing off a GPU)
     (text,) = rows["mixed_text"]  # the same load with text-only arrivals as long as the image request
     assert text["images"] == 0 and text["failed"] == 0 and text["n"] == text["image_requests"] == 3
     assert positive(text["ttft_ms_p50"], text["itl_ms_p50"], text["itl_ms_p99"], text["tokens_per_s"])
