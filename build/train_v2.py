@@ -12,7 +12,11 @@ images of many sizes, uint8 pixels from the workers, normalised on the device, a
 reading head in place of the per-image digit head; validation adds token F1. A share of the
 training examples (`--read`, 0.3) are training-only read-entry questions ("read entry 3 of image
 2."), in the place train_tiny's describe questions have: the first run without them learned to
-read in the tower (its reading head) but not through the decoder.
+read in the tower (its reading head) but not through the decoder. Neither that nor a tower
+whose tokens shared less of one mean vector (session 16) made the decoder use its images, so one
+head of the decoder's second-to-last layer is told where each answer token is printed
+(`build/train_v2_attention.py`, `--attend-loss`, 0.3): validation reports how often it looks there
+(`looks_right`).
 
 Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
   text: 256 wide, 6 MoE layers of 64 experts 64 wide, top-8 (Qwen3-30B-A3B's 128 / top-8 ratio
@@ -63,6 +67,7 @@ from zipmoe.build.tiny_checkpoint import PREPROCESSOR_CONFIG
 from zipmoe.build.training import (SplitDataset, answer_exact_match, autocast, eval_batches, finish, fit,
                                    is_training_only, loaders, move_batch, set_up)
 from zipmoe.build.training import collate  # noqa: F401  (re-exported: callers collate batches through this module)
+from zipmoe.build.train_v2_attention import ATTENTION, AnswerAttention, attention_targets, char_marks
 from zipmoe.build.train_v2_vision import (PACKED_IMAGE_ATTENTION, TokenReadingHead, device_pixels,
                                           grid_cached_vision_inputs, token_readings, uint8_patches)
 from zipmoe.clients.quality_metrics import exact_match, token_f1
@@ -108,8 +113,21 @@ class TaskSetV2Dataset(SplitDataset):
             grids.append([1, gh, gw])
             merged.append((gh // self.merge, gw // self.merge))
             readings.append(token_readings(marks, image.size, self.patch * self.merge))
-        return {**self.text_inputs(ex.question, ex.answer, merged), "pixels": torch.cat(pixels),
-                "grids": torch.tensor(grids), "task": TRAIN_TASKS.index(ex.task), "readings": torch.cat(readings)}
+        inputs = self.text_inputs(ex.question, ex.answer, merged)
+        return {**inputs, "pixels": torch.cat(pixels), "grids": torch.tensor(grids), "task": TRAIN_TASKS.index(ex.task),
+                "readings": torch.cat(readings), "attend": self.answer_targets(ex, inputs["ids"], merged)}
+
+    def answer_targets(self, ex: ts.Example, ids: torch.Tensor, merged: list[tuple[int, int]]) -> torch.Tensor:
+        """`train_v2_attention.attention_targets` of the example: [targets, 2] (query, key position)."""
+        answer = self.prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False)
+        image_positions = (ids == self.image_token).nonzero().squeeze(1).tolist()
+        starts, seen = [], 0
+        for rows, cols in merged:
+            starts.append(image_positions[seen])
+            seen += rows * cols
+        chars = char_marks(ex.answer, list(ex.marks), ex.question)
+        return attention_targets(ex.answer, answer.offsets, len(ids) - len(answer.ids), starts,
+                                 [cols for _, cols in merged], chars, self.patch * self.merge)
 
 
 def to_device(data: dict, dev: torch.device, temporal: int) -> dict:
@@ -130,18 +148,24 @@ def answer_texts(logits: torch.Tensor, labels: torch.Tensor, tokenizer) -> tuple
     return out
 
 
-def validate(model, loader, device, tokenizer, temporal: int, reading: TokenReadingHead | None = None) -> dict:
+def validate(model, loader, device, tokenizer, temporal: int, reading: TokenReadingHead | None = None,
+             looking: AnswerAttention | None = None) -> dict:
     """Validation loss; teacher-forced exact match (every answer token) and token F1 of the
     decoded answers (clients/quality_metrics), overall and per task; and blind_loss, the loss of
     the same batches with every image blank (mid-grey): a decoder that reads the images has a
     lower loss with them. (Session 15's 6-minute run did not: 1.330 with its images, 1.328 blank.)
-    reading: also report its `visual_stats` of the images' forwards (mean over batches), "visual"."""
-    losses, blind, rows, visual = [], [], [], []
+    reading: also report its `visual_stats` of the images' forwards (mean over batches), "visual".
+    looking: also report "looks_right", the share of answer tokens with an attention target at
+    which its head attends most to that target (`AnswerAttention.hits`)."""
+    losses, blind, rows, visual, looked = [], [], [], [], [0, 0]  # looked: (right, targets)
     on_device = functools.partial(to_device, dev=device, temporal=temporal)
     for task, batch, out in eval_batches(model, loader, device, on_device):
         losses.append(float(out.loss))
         if reading is not None:
             visual.append(reading.visual_stats())
+        attend = batch.pop("attend", None)
+        if looking is not None and attend is not None:
+            looked = [a + b for a, b in zip(looked, looking.hits(attend))]
         with torch.no_grad(), autocast(device):
             blind.append(float(model(**{**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}).loss))
         hits = answer_exact_match(out.logits, batch["labels"]).tolist()
@@ -158,7 +182,8 @@ def validate(model, loader, device, tokenizer, temporal: int, reading: TokenRead
             "f1": round(sum(r[2] for r in rows) / len(rows), 4),
             "squad_exact": round(sum(r[3] for r in rows) / len(rows), 4), "by_task": by_task,
             **({"visual": {k: [round(sum(v) / len(v), 4) for v in zip(*(b[k] for b in visual))] for k in visual[0]}}
-               if visual else {})}
+               if visual else {}),
+            **({"looks_right": round(looked[0] / looked[1], 4)} if looked[1] else {})}
 
 
 def write_preprocessor_config(out: Path) -> None:
@@ -172,19 +197,27 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3) -> dict:
+          read_fraction: float = 0.3, attend_loss: float = 0.3) -> dict:
     run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
     reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size).to(dev)
     print(f"{run.out}: {run.params / 1e6:.1f} M parameters ({2 * run.params / 1e6:.1f} MB in bf16), training on {dev}")
+    # One head of the second-to-last decoder layer learns where each answer token is printed
+    # (train_v2_attention): the decoder's own loss never said where to look.
+    text = run.config.text_config
+    saved_attention, looking = text._attn_implementation, None
+    if attend_loss > 0:
+        text._attn_implementation = ATTENTION
+        looking = AnswerAttention(run.model, max(0, text.num_hidden_layers - 2))
 
     # ~21 ms of CPU per example (rendering three large images): the loader needs the machine's cores.
     train_set = TaskSetV2Dataset(run.out, "train", steps * batch, read_fraction=read_fraction)
     train_loader, val_loader = loaders(run, train_set, TaskSetV2Dataset(run.out, "validation", val_examples), batch, workers,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
-                 "reading_loss": reading_loss, "read_fraction": read_fraction, "task_set": "v2"}
+                 "reading_loss": reading_loss, "read_fraction": read_fraction, "attend_loss": attend_loss,
+                 "task_set": "v2"}
     counted = {"examples": 0, "tokens": 0, "patches": 0}
 
     def count_and_move(data: dict) -> dict:
@@ -193,18 +226,21 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
         counted["patches"] += data["pixel_values"].shape[0]
         return to_device(data, dev, temporal)
 
-    validation = functools.partial(validate, run.model, val_loader, dev, run.tokenizer, temporal, reading)
+    validation = functools.partial(validate, run.model, val_loader, dev, run.tokenizer, temporal, reading, looking)
     seconds = fit(run, reading, train_loader, log, steps=steps, lr=lr, minutes=minutes, reading_loss=reading_loss,
-                  val_every_minutes=val_every_minutes, validate=validation, to_device=count_and_move)
+                  val_every_minutes=val_every_minutes, validate=validation, to_device=count_and_move,
+                  attend_loss=(lambda targets: attend_loss * looking.loss(targets)) if looking is not None else None)
     # Includes validation time and the workers' start: a lower bound of the training rate.
     log["throughput"] = {f"{k}_per_second": round(v / seconds, 1) for k, v in counted.items()}
     final = validation()
     log.update(val_loss=final["loss"], val_blind_loss=final["blind_loss"], val_exact_match=final["exact_match"],
-               val_f1=final["f1"], val_by_task=final["by_task"], val_visual=final["visual"])
+               val_f1=final["f1"], val_by_task=final["by_task"], val_visual=final["visual"],
+               val_looks_right=final.get("looks_right"))
     print(f"{run.out}: {log['steps']} steps in {log['minutes']} min ({log['skipped_steps']} non-finite skipped), "
           f"{log['throughput']}, final loss {log['final_loss']}, validation loss {log['val_loss']:.4f} "
           f"({log['val_blind_loss']:.4f} with blank images), "
           f"teacher-forced exact match {log['val_exact_match']:.3f}, F1 {log['val_f1']:.3f}")
+    text._attn_implementation = saved_attention  # the checkpoint's own setting, not the training capture
     questions = [p.question for p in ts.plans("validation", calibration_prompts)] if calibrate_sere else None
     return finish(run, log, questions, extra_files=write_preprocessor_config)
 
@@ -233,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read", dest="read_fraction", type=float, default=None,
                    help="share of training examples that are read-entry questions (training only; "
                         f"default {default['read_fraction']})")
+    p.add_argument("--attend-loss", type=float, default=None,
+                   help="weight of the answer-attention targets (train_v2_attention; 0: off; "
+                        f"default {default['attend_loss']})")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
@@ -107,7 +108,9 @@ def collate(batch: list[dict], pad_id: int, image_token: int) -> dict:
             "image_grid_thw": torch.cat([b["grids"] for b in batch]),
             # not model inputs: popped before the forward
             "task": torch.tensor([b["task"] for b in batch]),
-            "readings": torch.cat([b["readings"] for b in batch])}
+            "readings": torch.cat([b["readings"] for b in batch]),
+            **({"attend": torch.cat([F.pad(b["attend"], (1, 0), value=i) for i, b in enumerate(batch)])}
+               if "attend" in batch[0] else {})}
 
 
 def grouped_mm_trains_on(device: torch.device) -> bool:
@@ -243,12 +246,14 @@ def loaders(run: Run, train_set: Dataset, val_set: Dataset, batch: int, workers:
 
 def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, steps: int, lr: float,
         minutes: float, reading_loss: float, val_every_minutes: float, validate: Callable[[], dict],
-        to_device: Callable[[dict], dict] | None = None) -> float:
+        to_device: Callable[[dict], dict] | None = None,
+        attend_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Train the model and the reading head (its `loss(readings)` weighted by reading_loss) over
     `loader` until `steps` or `minutes` run out, calling `validate()` every val_every_minutes.
     to_device: a collated batch (task ids dropped) -> on the device (default: moved as it is).
-    Adds losses, validation, skipped_steps, steps, minutes and final_loss to `log`; returns the
-    seconds the loop ran."""
+    attend_loss: the batch's "attend" targets -> a weighted loss on the last forward, added (and
+    logged as a fourth column of `losses`). Adds losses, validation, skipped_steps, steps, minutes
+    and final_loss to `log`; returns the seconds the loop ran."""
     dev = run.device
     to_device = to_device or functools.partial(move_batch, device=dev)
     trained = [*run.model.parameters(), *reading.parameters()]
@@ -268,11 +273,12 @@ def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, st
             group["lr"] = lr_at(step, progress, lr, warmup=min(200, steps // 10 + 1))
         del data["task"]
         data = to_device(data)
-        readings = data.pop("readings")
+        readings, attend = data.pop("readings"), data.pop("attend", None)
         with autocast(dev):
             loss = run.model(**data, output_router_logits=True).loss
             aux = reading.loss(readings)
-        loss = loss + reading_loss * aux
+            looking = attend_loss(attend) if attend_loss is not None else None
+        loss = loss + reading_loss * aux + (looking if looking is not None else 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -283,7 +289,9 @@ def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, st
         else:
             log["skipped_steps"] += 1
         if step % 50 == 0:
-            log["losses"].append([step, round(loss.item(), 4), round(aux.item(), 4)])  # total, reading head
+            # total, reading head[, attention targets]
+            log["losses"].append([step, round(loss.item(), 4), round(aux.item(), 4),
+                                  *([round(looking.item(), 4)] if looking is not None else [])])
             bar.set_postfix(loss=f"{loss.item():.3f}", reading=f"{aux.item():.3f}")
         if elapsed > next_validation:  # a learning curve, per task
             next_validation += val_every_minutes * 60
@@ -301,15 +309,17 @@ def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, st
 def eval_batches(model, loader: DataLoader, device: torch.device,
                  to_device: Callable[[dict], dict] | None = None) -> Iterator[tuple[torch.Tensor, dict, object]]:
     """(task ids, batch on the device, model output without gradients) for each validation batch;
-    the model is in eval mode until the last one is consumed."""
+    the model is in eval mode until the last one is consumed. The batch keeps its "attend" targets
+    (if any), on the device: pop them before another forward."""
     to_device = to_device or functools.partial(move_batch, device=device)
     model.eval()
     for batch in loader:
         task = batch.pop("task")
         del batch["readings"]
         batch = to_device(batch)
+        inputs = {k: v for k, v in batch.items() if k != "attend"}
         with torch.no_grad(), autocast(device):
-            out = model(**batch)
+            out = model(**inputs)
         yield task, batch, out
     model.train()
 
