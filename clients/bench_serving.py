@@ -35,8 +35,9 @@ tpot_c1       One text request at a time, --tpot-tokens tokens, ignore_eos: tpot
 mixed         --streams text streams decoding back to back (--stream-tokens, ignore_eos) while a request
               of --images images (first --image-size, keep --mixed-keep) arrives every --period s for
               --duration s. ITL: gaps between a stream's consecutive responses (p50, p99, percentiles
-              0..100 in itl_ms_quantiles): how far image prefills stall decoding. ttft: the image
-              requests' under load; tokens_per_s: the streams' tokens in the window. Streams running
+              0..100 in itl_ms_quantiles): how far image prefills stall decoding; long_gaps: when the
+              gaps over 2.5x the median start after an image request is sent (clients/itl_phases.py).
+              ttft: the image requests' under load; tokens_per_s: the streams' tokens in the window. Streams running
               at the end are read to their end, not cancelled (an mm_qa cancel leaves the decoder going).
 mixed_text    The same, but what arrives is a text-only prompt as long, in decoder tokens, as the image
               request's (padded from the measured input_token_count): the decoder's prefill without the
@@ -65,6 +66,7 @@ from zipmoe.clients import bench_serving_report as report
 from zipmoe.clients.bench_common import device_info, parse_size, pct, rounded, synthetic_jpeg
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
+from zipmoe.clients.itl_phases import long_gap_phases
 from zipmoe.clients.server_breakdown import STAGES, breakdown, decode_phases, diff, model_stats, settled
 from zipmoe.clients.trace_timeline import median_segments, read, requests, server_args
 from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
@@ -235,6 +237,7 @@ def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
         arrival = {"text_input": text_as_long_as(b.url, prompt_tokens(b.url, **arrival))}
     stop, errors = threading.Event(), []
     requests: list[list[list[float]]] = [[] for _ in range(a.streams)]  # per stream, per request: arrivals
+    sent: list[tuple[float, float]] = []  # each image request's (send, first response)
 
     def stream(i: int) -> None:
         while not stop.is_set():
@@ -248,6 +251,7 @@ def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
     def image_request() -> float | None:
         try:
             start, times, _ = timed_stream(b.url, max_tokens=a.ttft_tokens, ignore_eos=True, priority=0, **arrival)
+            sent.append((start, times[0]))
             return (times[0] - start) * 1e3
         except ServerError as e:
             errors.append(f"image request: {e}")
@@ -274,18 +278,20 @@ def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
         ttfts = [t for t in (f.result() for f in futures) if t is not None]
     for w in workers:
         w.join()
-    gaps, tpots, tokens = [], [], 0
+    gaps, tpots, tokens, windows = [], [], 0, []
     for times in (times for per_stream in requests for times in per_stream):
-        inside = [t for t in times if t0 <= t <= t1]
+        windows.append(inside := [t for t in times if t0 <= t <= t1])
         tokens += len(inside)
         if len(inside) >= 2:
             gaps.extend(np.diff(inside) * 1e3)
             tpots.append((inside[-1] - inside[0]) * 1e3 / (len(inside) - 1))
+    in_window = [(s, f) for s, f in sent if t0 <= s <= t1]
     what = "a text prompt as long" if text_only else f"{a.images} images"
     return [row("mixed_text" if text_only else "mixed", a.mixed_keep, b.routing, concurrency=a.streams,
                 images=0 if text_only else a.images, n=len(ttfts),
                 ttft=ttfts, tpot=tpots, itl=gaps, tokens_per_s=tokens / a.duration, itl_ms_p50=pct(gaps, 50),
                 itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
+                long_gaps=long_gap_phases(windows, in_window, pct(gaps, 50)) if gaps else None,
                 image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
                 preemptions=diff(before, after, "zipmoe_preemptions_total"),
                 gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),

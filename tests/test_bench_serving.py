@@ -70,6 +70,9 @@ def test_every_bench_against_a_running_server(zipmoe_server, tmp_path, capsys):
                     mixed["itl_ms_p99"], mixed["tokens_per_s"])
     assert len(mixed["itl_ms_quantiles"]) == 101
     assert mixed["gpu_turn_waits"] == 0  # exported; no turns on a CPU (gpu_turn_ms does nothing off a GPU)
+    long_gaps = mixed["long_gaps"]
+    assert long_gaps["threshold_ms"] == pytest.approx(2.5 * mixed["itl_ms_p50"], rel=0.01)
+    assert sum(long_gaps["start_after_send_ms"].values()) <= long_gaps["long_gaps"]
     (text,) = rows["mixed_text"]  # the same load with text-only arrivals as long as the image request
     assert text["images"] == 0 and text["failed"] == 0 and text["n"] == text["image_requests"] == 3
     assert positive(text["ttft_ms_p50"], text["itl_ms_p50"], text["itl_ms_p99"], text["tokens_per_s"])
