@@ -36,8 +36,8 @@ IMAGE_NUMBER = re.compile(r"image (\d+)")
 
 
 def char_marks(answer: str, marks: list[tuple[Mark, ...]], question: str) -> list[tuple[int, Mark] | None]:
-    """Per character of `answer`: (image index, the Mark it transcribes), or None (a space, or a
-    word not printed in any image). A word is looked for first in the images the question names
+    """Per character of `answer`: (image index, the Mark it transcribes), or None (a space, a word
+    not printed in any image, or an image number: "image 2"). A word is looked for first in the images the question names
     ("image 2"), from where the previous word was found onwards, then from the start; a trailing
     "," or ";" (the answer's own list punctuation) may be left out of the match."""
     named = [int(n) - 1 for n in IMAGE_NUMBER.findall(question) if 0 < int(n) <= len(marks)]
@@ -45,7 +45,11 @@ def char_marks(answer: str, marks: list[tuple[Mark, ...]], question: str) -> lis
     printed = ["".join(m.char for m in image) for image in marks]
     out: list[tuple[int, Mark] | None] = [None] * len(answer)
     last = {j: 0 for j in order}  # where the previous word ended, per image
+    # "image 2" in an answer (multi_find) names an image; its digit is not printed anywhere
+    named_in_answer = {k for m in IMAGE_NUMBER.finditer(answer) for k in range(m.start(), m.end())}
     for word in re.finditer(r"\S+", answer):
+        if word.start() in named_in_answer:
+            continue
         text = word.group()
         for candidate in (text, text.rstrip(",;")):
             found = _find(candidate, printed, order, last) if candidate else None

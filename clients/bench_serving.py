@@ -291,7 +291,7 @@ def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
                 images=0 if text_only else a.images, n=len(ttfts),
                 ttft=ttfts, tpot=tpots, itl=gaps, tokens_per_s=tokens / a.duration, itl_ms_p50=pct(gaps, 50),
                 itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
-                long_gaps=long_gap_phases(windows, in_window, pct(gaps, 50)) if gaps else None,
+                long_gaps=long_gap_phases(windows, in_window, pct(gaps, 50), a.streams) if gaps else None,
                 image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
                 preemptions=diff(before, after, "zipmoe_preemptions_total"),
                 gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),

@@ -18,9 +18,11 @@ AT_FIRST_TOKEN_MS = 5.0  # a gap ending this close to an image request's first r
 BIN_MS = 20
 
 
-def long_gap_phases(streams: list[list[float]], requests: list[tuple[float, float]], median_ms: float) -> dict:
-    """streams: per stream, its responses' arrival times inside the window; requests: (send, first
-    response) of each image request. Returns {threshold_ms, long_gaps, per_request_and_stream,
+def long_gap_phases(responses: list[list[float]], requests: list[tuple[float, float]], median_ms: float,
+                    streams: int) -> dict:
+    """responses: per stream request (a stream sends one after another), its responses' arrival
+    times inside the window; requests: (send, first response) of each image request; streams: how
+    many streams ran. Returns {threshold_ms, long_gaps, per_request_and_stream,
     at_first_token_per_request_and_stream (the long gaps that end within AT_FIRST_TOKEN_MS of a
     request's first response), start_after_send_ms ({bin start: long gaps whose start lies that many
     ms after the last send before it, in BIN_MS bins}; gaps that start before any send are left out
@@ -29,7 +31,7 @@ def long_gap_phases(streams: list[list[float]], requests: list[tuple[float, floa
     sends = sorted(s for s, _ in requests)
     firsts = sorted(f for _, f in requests)
     long_gaps, at_first, bins = 0, 0, Counter()
-    for times in streams:
+    for times in responses:
         for begin, end in zip(times, times[1:]):
             if (end - begin) * 1e3 <= threshold:
                 continue
@@ -40,7 +42,8 @@ def long_gap_phases(streams: list[list[float]], requests: list[tuple[float, floa
             last_send = bisect.bisect_right(sends, begin) - 1
             if last_send >= 0:
                 bins[int((begin - sends[last_send]) * 1e3 // BIN_MS) * BIN_MS] += 1
-    per = max(1, len(requests) * len(streams))
+    per = len(requests) * streams
     return {"threshold_ms": round(threshold, 3), "long_gaps": long_gaps,
-            "per_request_and_stream": round(long_gaps / per, 3), "at_first_token_per_request_and_stream": round(at_first / per, 3),
+            "per_request_and_stream": round(long_gaps / per, 3) if per else None,
+            "at_first_token_per_request_and_stream": round(at_first / per, 3) if per else None,
             "start_after_send_ms": {str(k): bins[k] for k in sorted(bins)}}

@@ -7,7 +7,7 @@ def test_long_gaps_are_counted_binned_and_matched_to_first_tokens():
     steps = [round(0.01 * k, 3) for k in range(90, 131)]
     one = [t for t in steps if not 1.01 < t < 1.2]  # one long gap 1.010 -> 1.200: the turn and the prompt step
     two = [t for t in steps if not 1.04 < t < 1.07]  # one long gap 1.040 -> 1.070, during the tower
-    out = long_gap_phases([one, two], [(1.0, 1.2)], median_ms=10.0)
+    out = long_gap_phases([one[:5], one[5:], two], [(1.0, 1.2)], median_ms=10.0, streams=2)  # one: two requests
     assert out["threshold_ms"] == 25.0 and out["long_gaps"] == 2
     assert out["per_request_and_stream"] == 1.0
     assert out["at_first_token_per_request_and_stream"] == 0.5  # stream one's gap ends with the first token
@@ -15,6 +15,7 @@ def test_long_gaps_are_counted_binned_and_matched_to_first_tokens():
 
 
 def test_gaps_before_any_request_and_short_gaps_are_left_out_of_the_bins():
-    out = long_gap_phases([[0.0, 0.1, 0.105, 0.11]], [(0.5, 0.6)], median_ms=5.0)
+    out = long_gap_phases([[0.0, 0.1, 0.105, 0.11]], [(0.5, 0.6)], median_ms=5.0, streams=1)
     assert out["long_gaps"] == 1 and out["start_after_send_ms"] == {}
-    assert long_gap_phases([[0.0, 0.01]], [], median_ms=10.0)["long_gaps"] == 0
+    none = long_gap_phases([[0.0, 0.01]], [], median_ms=10.0, streams=1)
+    assert none["long_gaps"] == 0 and none["per_request_and_stream"] is None  # no image request in the window

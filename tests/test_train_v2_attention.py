@@ -21,6 +21,8 @@ def test_char_marks_prefer_the_named_image_and_follow_on():
     assert chars[3] is None and chars[8] is None  # the space; the list comma is not printed
     assert chars[15][1] == Mark(110.0, 40.0, "1")  # MILK's price, after MILK: not image 2's first "1"
     assert char_marks("a red circle", marks, "what shapes?") == [None] * 12
+    found = char_marks("image 1, 1.99", marks, "which image has a tag for TEA?")  # multi_find's answer
+    assert found[:9] == [None] * 9 and found[9] == (0, marks[0][3])  # not image 1's number: its price
 
 
 def test_every_target_is_a_visual_token_that_prints_the_answer_tokens_first_character(v2_smoke):
