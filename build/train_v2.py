@@ -197,11 +197,11 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3, attend_loss: float = 0.3) -> dict:
+          read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 0.0) -> dict:
     run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
-    reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size).to(dev)
+    reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size, centering).to(dev)
     print(f"{run.out}: {run.params / 1e6:.1f} M parameters ({2 * run.params / 1e6:.1f} MB in bf16), training on {dev}")
     # One head of the second-to-last decoder layer learns where each answer token is printed
     # (train_v2_attention): the decoder's own loss never said where to look.
@@ -217,7 +217,7 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
                  "reading_loss": reading_loss, "read_fraction": read_fraction, "attend_loss": attend_loss,
-                 "task_set": "v2"}
+                 "centering": centering, "task_set": "v2"}
     counted = {"examples": 0, "tokens": 0, "patches": 0}
 
     def count_and_move(data: dict) -> dict:
@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attend-loss", type=float, default=None,
                    help="weight of the answer-attention targets (train_v2_attention; 0: off; "
                         f"default {default['attend_loss']})")
+    p.add_argument("--centering", type=float, default=None,
+                   help="weight of the penalty on the visual tokens' shared mean vector (TokenReadingHead; "
+                        f"default {default['centering']}: off)")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)

@@ -251,3 +251,31 @@ def test_visual_stats_cover_merged_tokens_and_deepstack(smoke):
     n = 1 + len(model.config.vision_config.deepstack_visual_indexes)
     assert len(stats["token_norm"]) == len(stats["common_mode"]) == n
     assert all(v > 0 for v in stats["token_norm"]) and all(0 <= v <= 1 for v in stats["common_mode"])
+
+
+def test_centering_penalty_centres_the_visual_tokens(smoke):
+    """The tower at initialisation keeps most of its tokens' energy in their mean vector; a few
+    steps on the penalty alone bring every visual feature (merged tokens, DeepStack) down to the
+    allowance, and the head's loss adds the weighted penalty."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from zipmoe.build.train_v2_vision import TokenReadingHead
+    batch = _batch(smoke[0], "train", 2)
+    readings = batch["readings"]
+    torch.manual_seed(0)
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(smoke[0], dtype=torch.float32)
+    visual = model.model.visual
+    head = TokenReadingHead(visual, model.config.vision_config.out_hidden_size)
+    inputs = dict(hidden_states=device_pixels(batch["pixel_values"], 2), grid_thw=batch["image_grid_thw"])
+    visual(**inputs)
+    assert max(head.visual_stats()["common_mode"]) > head.COMMON_MODE_ALLOWANCE
+    penalty, reading_only = float(head.common_mode_penalty().detach()), float(head.loss(readings).detach())
+    head.centering = 2.0
+    assert penalty > 0 and abs(float(head.loss(readings).detach()) - (reading_only + 2.0 * penalty)) < 1e-4
+    opt = torch.optim.Adam(visual.parameters(), lr=1e-3)
+    for _ in range(30):
+        visual(**inputs)
+        opt.zero_grad()
+        head.common_mode_penalty().backward()
+        opt.step()
+    visual(**inputs)
+    assert max(head.visual_stats()["common_mode"]) <= head.COMMON_MODE_ALLOWANCE + 0.05
