@@ -1,5 +1,6 @@
-"""What the load clients share (bench_serving, bench_degradation, soak, perf_analyzer inputs):
-seeded synthetic JPEGs, size and percentile helpers, and the device a run is measured on.
+"""What the load clients share (bench_serving, bench_mixed, bench_degradation, soak, perf_analyzer
+inputs): seeded synthetic JPEGs, size and percentile helpers, the device a run is measured on, and
+the serving benches' prompts, timed stream and result row.
 """
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import io
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
+
+from zipmoe.clients.triton_client import grpc_generate
+
+QUESTION = "What do these pictures show? Answer briefly."
+STORY = "Tell me a long story about a lighthouse keeper and the ships she saw."
 
 
 def synthetic_jpeg(seed: int, size: tuple[int, int], quality: int = 90) -> bytes:
@@ -58,3 +65,22 @@ def device_info() -> tuple[str, float | None]:
             "else:\n    print(json.dumps(['cpu', None]))")
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, check=True).stdout
     return tuple(json.loads(out.strip().splitlines()[-1]))
+
+
+def row(bench: str, keep_ratio=None, routing=None, concurrency=1, images=0, n=0, ttft=(), tpot=(), itl=(),
+        tokens_per_s=None, images_per_s=None, **extra) -> dict:
+    """One row of bench_serving's result: the issue's keys (percentiles of the ms lists given), then extra keys."""
+    return rounded({"bench": bench, "keep_ratio": keep_ratio, "routing": routing, "concurrency": concurrency,
+                    "images": images, "n": n, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90),
+                    "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p90": pct(tpot, 90), "itl_ms_p99": pct(itl, 99),
+                    "tokens_per_s": tokens_per_s, "images_per_s": images_per_s, **extra})
+
+
+def timed_stream(url: str, times: list | None = None, client=None, **inputs) -> tuple[float, list[float], dict]:
+    """One streamed request: (send time, arrival of each response, last response), perf_counter clock.
+    `times` is filled as responses arrive, so another thread can watch it. client: an open gRPC client
+    (grpc_generate) whose channel the request reuses; None opens one inside the timed span."""
+    times, last, start = [] if times is None else times, {}, time.perf_counter()
+    for last in grpc_generate(url, stream=True, client=client, **inputs):
+        times.append(time.perf_counter())
+    return start, times, last

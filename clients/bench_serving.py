@@ -36,7 +36,7 @@ mixed         --streams text streams decoding back to back (--stream-tokens, ign
               of --images images (first --image-size, keep --mixed-keep) arrives every --period s for
               --duration s. ITL: gaps between a stream's consecutive responses (p50, p99, percentiles
               0..100 in itl_ms_quantiles): how far image prefills stall decoding; long_gaps: when the
-              gaps over 2.5x the median start after an image request is sent (clients/itl_phases.py).
+              gaps over 2.5x the median start after an image request is sent (clients/bench_mixed.py).
               ttft: the image requests' under load; tokens_per_s: the streams' tokens in the window. Streams running
               at the end are read to their end, not cancelled (an mm_qa cancel leaves the decoder going).
 mixed_text    The same, but what arrives is a text-only prompt as long, in decoder tokens, as the image
@@ -54,44 +54,23 @@ import contextlib
 import json
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from zipmoe import repository_config, serve
 from zipmoe.clients import bench_serving_report as report
-from zipmoe.clients.bench_common import device_info, parse_size, pct, rounded, synthetic_jpeg
+from zipmoe.clients.bench_common import (QUESTION, STORY, device_info, parse_size, pct, row, synthetic_jpeg,
+                                         timed_stream)
+from zipmoe.clients.bench_mixed import bench_mixed
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.eval_quality import routing_effect
-from zipmoe.clients.itl_phases import long_gap_phases
 from zipmoe.clients.server_breakdown import STAGES, breakdown, decode_phases, diff, model_stats, settled
 from zipmoe.clients.trace_timeline import median_segments, read, requests, server_args
-from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
+from zipmoe.clients.triton_client import ServerError, scrape_metrics
 
 BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed", "mixed_text")
-QUESTION = "What do these pictures show? Answer briefly."
-STORY = "Tell me a long story about a lighthouse keeper and the ships she saw."
-
-
-def row(bench: str, keep_ratio=None, routing=None, concurrency=1, images=0, n=0, ttft=(), tpot=(), itl=(),
-        tokens_per_s=None, images_per_s=None, **extra) -> dict:
-    return rounded({"bench": bench, "keep_ratio": keep_ratio, "routing": routing, "concurrency": concurrency,
-                    "images": images, "n": n, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p90": pct(ttft, 90),
-                    "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p90": pct(tpot, 90), "itl_ms_p99": pct(itl, 99),
-                    "tokens_per_s": tokens_per_s, "images_per_s": images_per_s, **extra})
-
-
-def timed_stream(url: str, times: list | None = None, client=None, **inputs) -> tuple[float, list[float], dict]:
-    """One streamed request: (send time, arrival of each response, last response), perf_counter clock.
-    `times` is filled as responses arrive, so another thread can watch it. client: an open gRPC client
-    (grpc_generate) whose channel the request reuses; None opens one inside the timed span."""
-    times, last, start = [] if times is None else times, {}, time.perf_counter()
-    for last in grpc_generate(url, stream=True, client=client, **inputs):
-        times.append(time.perf_counter())
-    return start, times, last
 
 
 class Bench:
@@ -214,89 +193,6 @@ def bench_tpot(b: Bench) -> list[dict]:
                 tokens_per_s=1e3 / pct(tpots, 50), tokens=tokens, itl_ms_p50=pct(gaps, 50),
                 server_tpot_ms=us / steps / 1e3 if steps else None, channel=a.channel,
                 experts_read=routing_effect(before, after)["experts_read"] if after else None)]
-
-
-def prompt_tokens(url: str, **inputs) -> int:
-    """The decoder's input_token_count for a request (one generated token)."""
-    return int(np.asarray(timed_stream(url, max_tokens=1, **inputs)[2]["input_token_count"]).reshape(-1)[0])
-
-
-def text_as_long_as(url: str, tokens: int) -> str:
-    """A text prompt of about `tokens` decoder tokens: STORY repeated, its length measured through the
-    server at two repeat counts (the chat template adds a fixed number) and interpolated."""
-    one, two = (prompt_tokens(url, text_input=" ".join([STORY] * k)) for k in (1, 2))
-    per_story, fixed = two - one, 2 * one - two
-    return " ".join([STORY] * max(1, round((tokens - fixed) / per_story)))
-
-
-def bench_mixed(b: Bench, text_only: bool = False) -> list[dict]:
-    a = b.args
-    images = [synthetic_jpeg(2000 + i, parse_size(a.image_size[0])) for i in range(a.images)]
-    arrival = {"text_input": QUESTION, "images": images, "visual_keep_ratio": a.mixed_keep}
-    if text_only:  # as many decoder tokens as the image request, without its vision work
-        arrival = {"text_input": text_as_long_as(b.url, prompt_tokens(b.url, **arrival))}
-    stop, errors = threading.Event(), []
-    requests: list[list[list[float]]] = [[] for _ in range(a.streams)]  # per stream, per request: arrivals
-    sent: list[tuple[float, float]] = []  # each image request's (send, first response)
-
-    def stream(i: int) -> None:
-        while not stop.is_set():
-            requests[i].append(times := [])
-            try:
-                timed_stream(b.url, times, text_input=f"{STORY} ({i})", max_tokens=a.stream_tokens, ignore_eos=True)
-            except Exception as e:  # noqa: BLE001 -- counted and reported; the stream starts again
-                errors.append(f"{type(e).__name__}: {e}")
-                time.sleep(0.1)
-
-    def image_request() -> float | None:
-        try:
-            start, times, _ = timed_stream(b.url, max_tokens=a.ttft_tokens, ignore_eos=True, priority=0, **arrival)
-            sent.append((start, times[0]))
-            return (times[0] - start) * 1e3
-        except ServerError as e:
-            errors.append(f"image request: {e}")
-            return None
-
-    for _ in range(a.warmup):
-        image_request()
-    workers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(a.streams)]
-    for w in workers:
-        w.start()
-    deadline = time.monotonic() + 600  # the window opens when every stream decodes (or has failed)
-    while not all(any(r) for r in requests) and len(errors) < a.streams and time.monotonic() < deadline:
-        time.sleep(0.01)
-    before, t0 = b.scrape(), time.perf_counter()
-    t1 = t0 + a.duration
-    with ThreadPoolExecutor(max(1, int(np.ceil(a.duration / a.period)))) as pool:
-        futures = []
-        while t0 + len(futures) * a.period < t1:
-            time.sleep(max(0.0, t0 + len(futures) * a.period - time.perf_counter()))
-            futures.append(pool.submit(image_request))
-        time.sleep(max(0.0, t1 - time.perf_counter()))
-        stop.set()
-        after = b.scrape()
-        ttfts = [t for t in (f.result() for f in futures) if t is not None]
-    for w in workers:
-        w.join()
-    gaps, tpots, tokens, windows = [], [], 0, []
-    for times in (times for per_stream in requests for times in per_stream):
-        windows.append(inside := [t for t in times if t0 <= t <= t1])
-        tokens += len(inside)
-        if len(inside) >= 2:
-            gaps.extend(np.diff(inside) * 1e3)
-            tpots.append((inside[-1] - inside[0]) * 1e3 / (len(inside) - 1))
-    in_window = [(s, f) for s, f in sent if t0 <= s <= t1]
-    what = "a text prompt as long" if text_only else f"{a.images} images"
-    return [row("mixed_text" if text_only else "mixed", a.mixed_keep, b.routing, concurrency=a.streams,
-                images=0 if text_only else a.images, n=len(ttfts),
-                ttft=ttfts, tpot=tpots, itl=gaps, tokens_per_s=tokens / a.duration, itl_ms_p50=pct(gaps, 50),
-                itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
-                long_gaps=long_gap_phases(windows, in_window, pct(gaps, 50), a.streams) if gaps else None,
-                image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
-                preemptions=diff(before, after, "zipmoe_preemptions_total"),
-                gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),
-                experts_read=routing_effect(before, after)["experts_read"] if after else None,
-                image_size=a.image_size[0], note=f"{a.streams} streams + {what} every {a.period:g} s")]
 
 
 def run_benches(b: Bench, result: dict, save) -> None:

@@ -47,7 +47,7 @@ def table(result: dict) -> str:
         if r.get("timeline_ms"):  # Triton's trace: the longest spans of a request, then the whole
             spans = ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in longest(r["timeline_ms"], 8))
             lines.append(f"    timeline_ms (longest): {spans}; total {fmt(r['timeline_ms'].get('total'), '.2f')}")
-        if r.get("long_gaps"):  # clients/itl_phases.py
+        if r.get("long_gaps"):  # clients/bench_mixed.py
             g = r["long_gaps"]
             starts = ", ".join(f"{k} ms: {n}" for k, n in g["start_after_send_ms"].items())
             lines.append(f"    long gaps (> {fmt(g['threshold_ms'], '.1f')} ms): {g['per_request_and_stream']} per image "

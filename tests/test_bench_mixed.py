@@ -1,5 +1,5 @@
-"""clients/itl_phases.py: the mixed bench's long gaps placed against the image requests."""
-from zipmoe.clients.itl_phases import long_gap_phases
+"""clients/bench_mixed.py (long_gap_phases): the mixed bench's long gaps placed against the image requests."""
+from zipmoe.clients.bench_mixed import long_gap_phases
 
 
 def test_long_gaps_are_counted_binned_and_matched_to_first_tokens():

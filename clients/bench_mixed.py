@@ -1,0 +1,141 @@
+"""The mixed-load benches of bench_serving, `mixed` and `mixed_text` (its help says what each
+measures): running text streams while image requests, or text prompts as long, arrive; and
+`long_gap_phases`, when the streams' long gaps happen relative to those arrivals, so a p99 above
+target can be traced to a phase of the requests: image decoding and the tower right after the send,
+the prompt step that ends at the request's first token, or elsewhere.
+
+`b` is bench_serving's `Bench` (the server's endpoints and the run's arguments).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from zipmoe.clients.bench_common import QUESTION, STORY, parse_size, pct, row, synthetic_jpeg, timed_stream
+from zipmoe.clients.eval_quality import routing_effect
+from zipmoe.clients.server_breakdown import diff
+from zipmoe.clients.triton_client import ServerError
+
+LONG = 2.5  # a gap is long above this many times the median: the target of issue 13 reads p99 / p50
+AT_FIRST_TOKEN_MS = 5.0  # a gap ending this close to an image request's first response ends with its prompt step
+BIN_MS = 20
+
+
+def prompt_tokens(url: str, **inputs) -> int:
+    """The decoder's input_token_count for a request (one generated token)."""
+    return int(np.asarray(timed_stream(url, max_tokens=1, **inputs)[2]["input_token_count"]).reshape(-1)[0])
+
+
+def text_as_long_as(url: str, tokens: int) -> str:
+    """A text prompt of about `tokens` decoder tokens: STORY repeated, its length measured through the
+    server at two repeat counts (the chat template adds a fixed number) and interpolated."""
+    one, two = (prompt_tokens(url, text_input=" ".join([STORY] * k)) for k in (1, 2))
+    per_story, fixed = two - one, 2 * one - two
+    return " ".join([STORY] * max(1, round((tokens - fixed) / per_story)))
+
+
+def bench_mixed(b, text_only: bool = False) -> list[dict]:
+    a = b.args
+    images = [synthetic_jpeg(2000 + i, parse_size(a.image_size[0])) for i in range(a.images)]
+    arrival = {"text_input": QUESTION, "images": images, "visual_keep_ratio": a.mixed_keep}
+    if text_only:  # as many decoder tokens as the image request, without its vision work
+        arrival = {"text_input": text_as_long_as(b.url, prompt_tokens(b.url, **arrival))}
+    stop, errors = threading.Event(), []
+    requests: list[list[list[float]]] = [[] for _ in range(a.streams)]  # per stream, per request: arrivals
+    sent: list[tuple[float, float]] = []  # each image request's (send, first response)
+
+    def stream(i: int) -> None:
+        while not stop.is_set():
+            requests[i].append(times := [])
+            try:
+                timed_stream(b.url, times, text_input=f"{STORY} ({i})", max_tokens=a.stream_tokens, ignore_eos=True)
+            except Exception as e:  # noqa: BLE001 -- counted and reported; the stream starts again
+                errors.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.1)
+
+    def image_request() -> float | None:
+        try:
+            start, times, _ = timed_stream(b.url, max_tokens=a.ttft_tokens, ignore_eos=True, priority=0, **arrival)
+            sent.append((start, times[0]))
+            return (times[0] - start) * 1e3
+        except ServerError as e:
+            errors.append(f"image request: {e}")
+            return None
+
+    for _ in range(a.warmup):
+        image_request()
+    workers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(a.streams)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 600  # the window opens when every stream decodes (or has failed)
+    while not all(any(r) for r in requests) and len(errors) < a.streams and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before, t0 = b.scrape(), time.perf_counter()
+    t1 = t0 + a.duration
+    with ThreadPoolExecutor(max(1, int(np.ceil(a.duration / a.period)))) as pool:
+        futures = []
+        while t0 + len(futures) * a.period < t1:
+            time.sleep(max(0.0, t0 + len(futures) * a.period - time.perf_counter()))
+            futures.append(pool.submit(image_request))
+        time.sleep(max(0.0, t1 - time.perf_counter()))
+        stop.set()
+        after = b.scrape()
+        ttfts = [t for t in (f.result() for f in futures) if t is not None]
+    for w in workers:
+        w.join()
+    gaps, tpots, tokens, windows = [], [], 0, []
+    for times in (times for per_stream in requests for times in per_stream):
+        windows.append(inside := [t for t in times if t0 <= t <= t1])
+        tokens += len(inside)
+        if len(inside) >= 2:
+            gaps.extend(np.diff(inside) * 1e3)
+            tpots.append((inside[-1] - inside[0]) * 1e3 / (len(inside) - 1))
+    in_window = [(s, f) for s, f in sent if t0 <= s <= t1]
+    what = "a text prompt as long" if text_only else f"{a.images} images"
+    return [row("mixed_text" if text_only else "mixed", a.mixed_keep, b.routing, concurrency=a.streams,
+                images=0 if text_only else a.images, n=len(ttfts),
+                ttft=ttfts, tpot=tpots, itl=gaps, tokens_per_s=tokens / a.duration, itl_ms_p50=pct(gaps, 50),
+                itl_ms_quantiles=np.percentile(gaps, range(101)).tolist() if gaps else None,
+                long_gaps=long_gap_phases(windows, in_window, pct(gaps, 50), a.streams) if gaps else None,
+                image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
+                preemptions=diff(before, after, "zipmoe_preemptions_total"),
+                gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),
+                experts_read=routing_effect(before, after)["experts_read"] if after else None,
+                image_size=a.image_size[0], note=f"{a.streams} streams + {what} every {a.period:g} s")]
+
+
+
+def long_gap_phases(responses: list[list[float]], requests: list[tuple[float, float]], median_ms: float,
+                    streams: int) -> dict:
+    """responses: per stream request (a stream sends one after another), its responses' arrival
+    times inside the window; requests: (send, first response) of each image request; streams: how
+    many streams ran. Returns {threshold_ms, long_gaps, per_request_and_stream,
+    at_first_token_per_request_and_stream (the long gaps that end within AT_FIRST_TOKEN_MS of a
+    request's first response), start_after_send_ms ({bin start: long gaps whose start lies that many
+    ms after the last send before it, in BIN_MS bins}; gaps that start before any send are left out
+    of the bins)}."""
+    threshold = LONG * median_ms
+    sends = sorted(s for s, _ in requests)
+    firsts = sorted(f for _, f in requests)
+    long_gaps, at_first, bins = 0, 0, Counter()
+    for times in responses:
+        for begin, end in zip(times, times[1:]):
+            if (end - begin) * 1e3 <= threshold:
+                continue
+            long_gaps += 1
+            k = bisect.bisect_left(firsts, end - AT_FIRST_TOKEN_MS / 1e3)
+            if k < len(firsts) and firsts[k] <= end + AT_FIRST_TOKEN_MS / 1e3:
+                at_first += 1
+            last_send = bisect.bisect_right(sends, begin) - 1
+            if last_send >= 0:
+                bins[int((begin - sends[last_send]) * 1e3 // BIN_MS) * BIN_MS] += 1
+    per = len(requests) * streams
+    return {"threshold_ms": round(threshold, 3), "long_gaps": long_gaps,
+            "per_request_and_stream": round(long_gaps / per, 3) if per else None,
+            "at_first_token_per_request_and_stream": round(at_first / per, 3) if per else None,
+            "start_after_send_ms": {str(k): bins[k] for k in sorted(bins)}}
