@@ -115,18 +115,19 @@ class TaskSetV2Dataset(SplitDataset):
             readings.append(token_readings(marks, image.size, self.patch * self.merge))
         inputs = self.text_inputs(ex.question, ex.answer, merged)
         return {**inputs, "pixels": torch.cat(pixels), "grids": torch.tensor(grids), "task": TRAIN_TASKS.index(ex.task),
-                "readings": torch.cat(readings), "attend": self.answer_targets(ex, inputs["ids"], merged)}
+                "readings": torch.cat(readings), "attend": self.answer_targets(ex, inputs, merged)}
 
-    def answer_targets(self, ex: ts.Example, ids: torch.Tensor, merged: list[tuple[int, int]]) -> torch.Tensor:
-        """`train_v2_attention.attention_targets` of the example: [targets, 2] (query, key position)."""
-        answer = self.prompt.tokenizer.encode(ex.answer + "<|im_end|>", add_special_tokens=False)
+    def answer_targets(self, ex: ts.Example, inputs: dict, merged: list[tuple[int, int]]) -> torch.Tensor:
+        """`train_v2_attention.attention_targets` of the example (`text_inputs`' ids and answer
+        offsets): [targets, 2] (query, key position)."""
+        ids, offsets = inputs["ids"], inputs["answer_offsets"]
         image_positions = (ids == self.image_token).nonzero().squeeze(1).tolist()
         starts, seen = [], 0
         for rows, cols in merged:
             starts.append(image_positions[seen])
             seen += rows * cols
         chars = char_marks(ex.answer, list(ex.marks), ex.question)
-        return attention_targets(ex.answer, answer.offsets, len(ids) - len(answer.ids), starts,
+        return attention_targets(ex.answer, offsets, len(ids) - len(offsets), starts,
                                  [cols for _, cols in merged], chars, self.patch * self.merge)
 
 

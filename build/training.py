@@ -64,16 +64,17 @@ class SplitDataset(Dataset):
 
     def text_inputs(self, question: str, answer: str, merged: list[tuple[int, int]]) -> dict:
         """The chat prompt for images of `merged` (rows, cols) merged tokens, then the answer and
-        <|im_end|>: ids, labels (-100 but on the answer) and mRoPE positions [3, tokens]."""
+        <|im_end|>: ids, labels (-100 but on the answer), mRoPE positions [3, tokens] and the answer
+        tokens' character spans in the answer (answer_offsets; collate leaves them out)."""
         # Expanded ids and mRoPE positions exactly as the engine splices them (every token kept).
         # Computing the positions here, in the workers, spares the model's per-example Python loop.
         cells = torch.cat([torch.cartesian_prod(torch.arange(r), torch.arange(c)) for r, c in merged])
         ids, positions, rope_delta = splice_images(self.prompt.encode(question, len(merged)), self.image_token,
                                                    [r * c for r, c in merged], cells, merged)
-        answer_ids = self.prompt.tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False).ids
-        answer_positions = torch.arange(len(ids), len(ids) + len(answer_ids)).expand(3, -1) + rope_delta
-        return {"ids": torch.tensor(ids + answer_ids), "labels": torch.tensor([-100] * len(ids) + answer_ids),
-                "positions": torch.cat([positions, answer_positions], dim=1)}
+        answer = self.prompt.tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
+        answer_positions = torch.arange(len(ids), len(ids) + len(answer.ids)).expand(3, -1) + rope_delta
+        return {"ids": torch.tensor(ids + answer.ids), "labels": torch.tensor([-100] * len(ids) + answer.ids),
+                "positions": torch.cat([positions, answer_positions], dim=1), "answer_offsets": answer.offsets}
 
 
 class MergedTokensHead(torch.nn.Module):
@@ -277,8 +278,8 @@ def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, st
         with autocast(dev):
             loss = run.model(**data, output_router_logits=True).loss
             aux = reading.loss(readings)
-            looking = attend_loss(attend) if attend_loss is not None else None
-        loss = loss + reading_loss * aux + (looking if looking is not None else 0.0)
+            attend_term = attend_loss(attend) if attend_loss is not None else None
+        loss = loss + reading_loss * aux + (attend_term if attend_term is not None else 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -291,7 +292,7 @@ def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, st
         if step % 50 == 0:
             # total, reading head[, attention targets]
             log["losses"].append([step, round(loss.item(), 4), round(aux.item(), 4),
-                                  *([round(looking.item(), 4)] if looking is not None else [])])
+                                  *([round(attend_term.item(), 4)] if attend_term is not None else [])])
             bar.set_postfix(loss=f"{loss.item():.3f}", reading=f"{aux.item():.3f}")
         if elapsed > next_validation:  # a learning curve, per task
             next_validation += val_every_minutes * 60

@@ -16,9 +16,10 @@ blocks nobody for longer. The waiter, moe_decoder's engine thread before a step 
 sleeps while any holder's deadline is ahead (the deadline it saw first, or a release's if sooner),
 and stops at once when a request arrives (the image request whose tokens were just made: the step
 that follows admits it, and that turn is not waited for again). It never holds back two steps in a
-row, so back-to-back turns still leave the streams a step between them. With async scheduling the step already running finishes on the GPU during the
-wait, but its tokens go out after it, with the next step. Devices other than CUDA take no turns:
-`turn_path` is None for them.
+row, so back-to-back turns still leave the streams a step between them. With async scheduling the
+step already running finishes on the GPU during the wait, but its tokens go out after it, with the
+next step. A batch without images (text-only requests pass through vision_encoder in mm_qa) takes
+no turn. Devices other than CUDA take no turns: `turn_path` is None for them.
 """
 from __future__ import annotations
 
