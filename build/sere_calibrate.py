@@ -33,8 +33,8 @@ from zipmoe.checkpoint import TextConfig
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.settings import DTYPE_NAMES, LOAD_FORMATS, dtypes
 from zipmoe.engine.multimodal import VisualInputs, splice_images
-from zipmoe.engine.routing import route_topk
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels.layer_ops import router_reference
 from zipmoe.prompt import ChatPrompt
 from zipmoe.sere_file import METHODS, SERE_FILE, SereTables, checkpoint_fingerprint, save_sere
 from zipmoe.vision import VisionEncoder, pixels_of
@@ -203,7 +203,7 @@ def protection_scores(x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor
     score = torch.zeros(E, dtype=torch.float64, device=gate_up.device)
     for s in range(0, x.shape[0], token_chunk):
         xc = x[s:s + token_chunk].to(gate_up.device)
-        _, ids, w = route_topk(xc, gate, top_k, normalize)  # the engine's router
+        _, ids, w = router_reference(xc, gate, top_k, normalize)  # the engine's router
         weight = torch.zeros(xc.shape[0], E, dtype=torch.float64, device=xc.device).scatter_(1, ids, w.double())
         a = expert_outputs(xc, gate_up, down, expert_chunk, progress)
         for e in range(0, E, expert_chunk):  # chunked so a[partner] never copies all of a

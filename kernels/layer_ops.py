@@ -10,7 +10,8 @@ weights. Each function here is one launch:
 - `add_rms_norm`: residual add + RMSNorm (the residual stream and the normed input in one pass),
   summing a MoE layer's K slot outputs on the way (`fused_moe.fused_experts_per_slot`);
 - `qk_norm_rope_cache`: per-head RMSNorm of q and k, rotary embedding, and the K/V cache write;
-- `topk_softmax`: router softmax -> top-K -> renormalisation.
+- `topk_softmax`: router softmax -> top-K -> renormalisation;
+- `router`: the router's GEMM and `topk_softmax` together, at decode batch sizes.
 
 Each `name` is the launch the engine calls on CUDA; `name_reference` beside it is the plain
 PyTorch version with the same signature, which the engine runs elsewhere (`apply_rope` is a piece
@@ -21,6 +22,7 @@ the last bit except where a float32 sum is taken in another order.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -237,3 +239,101 @@ def _(logits, top_k, normalize, dtype):
     return (logits.new_empty(T, E, dtype=torch.float32), logits.new_empty(T, top_k, dtype=torch.int64),
             logits.new_empty(T, top_k, dtype=dtype))
 
+
+
+def router_reference(x: torch.Tensor, gate: torch.Tensor, top_k: int,
+                     normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router: logits x @ gate.T in x's dtype, softmax in float32 -> (probs [T, E], top-K ids
+    sorted by score, weights in x's dtype, renormalised to sum 1 when asked)."""
+    return topk_softmax_reference(F.linear(x, gate), top_k, normalize, x.dtype)
+
+
+ROUTER_BLOCK_T = 16  # tokens per program (tl.dot's smallest tile)
+ROUTER_BLOCK_E = 16  # experts per program: E / 16 programs share the gate's read (128 experts: 8 of 256 kB)
+ROUTER_MAX_T = 256  # above this (prefill) cuBLAS's GEMM and `topk_softmax` are faster than one program per tile
+_arrivals: dict[torch.device, torch.Tensor] = {}  # per device, a counter per token block, left at zero
+
+
+def _router_arrivals(device: torch.device) -> torch.Tensor:
+    """The counters the router's programs check in on; allocated once (before a CUDA graph captures
+    the router: the engine's warm-up steps run it first), and every launch leaves them at zero."""
+    if device not in _arrivals:
+        _arrivals[device] = torch.zeros(triton.cdiv(ROUTER_MAX_T, ROUTER_BLOCK_T), dtype=torch.int32, device=device)
+    return _arrivals[device]
+
+
+@triton.jit
+def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E,
+                   K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Program (tile, expert block) computes BLOCK_T x BLOCK_E logits, rounded to x's dtype as
+    # F.linear rounds them; the last program of a token tile to check in (one atomic each) then
+    # holds every logit of its rows and does topk_softmax's work on them. One launch, where the
+    # GEMM and the top-K were two, and the logits never wait for a second kernel.
+    tile, eb = tl.program_id(0), tl.program_id(1)
+    rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        xs = tl.load(x_ptr + rows[:, None] * H + h[None, :], mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0)
+        gs = tl.load(gate_ptr + experts[:, None] * H + h[None, :], mask=(experts[:, None] < E) & (h[None, :] < H),
+                     other=0.0)
+        acc += tl.dot(xs, tl.trans(gs))
+    tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(logits_ptr.dtype.element_ty),
+             mask=(rows[:, None] < T) & (experts[None, :] < E))
+    # acq_rel: this program's logits are visible to whoever checks in after it.
+    if tl.atomic_add(arrivals_ptr + tile, 1) == tl.num_programs(1) - 1:
+        tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch (and graph replay)
+        e = tl.arange(0, E_PAD)
+        ok = (rows[:, None] < T) & (e[None, :] < E)
+        # .cg: read from L2, where the other programs' logits are, never from this SM's L1.
+        logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=ok, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+        logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out below)
+        p = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        tl.store(probs_ptr + rows[:, None] * E + e[None, :], p, mask=ok)
+        slot = tl.arange(0, K_PAD)
+        ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int64)
+        ws = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+        left = tl.where(ok, p, -1.0)
+        for k in tl.static_range(K):
+            best = tl.argmax(left, axis=1, tie_break_left=True)
+            ws = tl.where(slot[None, :] == k, tl.max(left, axis=1)[:, None], ws)
+            ids = tl.where(slot[None, :] == k, best[:, None].to(tl.int64), ids)
+            left = tl.where(e[None, :] == best[:, None], -1.0, left)
+        if NORMALIZE:
+            ws = ws / tl.sum(ws, axis=1)[:, None]
+        keep = (rows[:, None] < T) & (slot[None, :] < K)
+        tl.store(ids_ptr + rows[:, None] * K + slot[None, :], ids, mask=keep)
+        tl.store(w_ptr + rows[:, None] * K + slot[None, :], ws.to(w_ptr.dtype.element_ty), mask=keep)
+
+
+@torch.library.custom_op("zipmoe::router", mutates_args=())
+def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
+           normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `router_reference` (ties: the lowest expert id first); one launch up to
+    ROUTER_MAX_T tokens, the GEMM then `topk_softmax` above."""
+    T, H = x.shape
+    E = gate.shape[0]
+    if T > ROUTER_MAX_T:
+        return topk_softmax(F.linear(x, gate), top_k, normalize, x.dtype)
+    probs = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    if T:
+        logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(T, ROUTER_BLOCK_T), triton.cdiv(E, ROUTER_BLOCK_E))
+        _router_kernel[grid](x.contiguous(), gate.contiguous(), logits, _router_arrivals(x.device), probs, ids,
+                             weights, T, H, E, K=top_k, E_PAD=triton.next_power_of_2(E),
+                             K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize, BLOCK_T=ROUTER_BLOCK_T,
+                             BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=128, num_warps=4)
+    return probs, ids, weights
+
+
+@router.register_fake
+def _(x, gate, top_k, normalize):
+    T, E = x.shape[0], gate.shape[0]
+    return (x.new_empty(T, E, dtype=torch.float32), x.new_empty(T, top_k, dtype=torch.int64),
+            x.new_empty(T, top_k))

@@ -16,7 +16,7 @@ from zipmoe.build.sere_calibrate import (
 )
 from zipmoe.build.tiny_checkpoint import build_tiny_checkpoint
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.routing import route_topk
+from zipmoe.kernels.layer_ops import router_reference
 from zipmoe.sere_file import SERE_FILE, SereTables, checkpoint_fingerprint, load_sere, save_sere
 
 E, MOE_LAYERS = 16, [0, 1, 2, 3]  # the tiny checkpoint: 4 decoder layers, all MoE, 16 experts (top-4)
@@ -68,7 +68,7 @@ def test_protection_scores_match_a_loop_over_routed_slots(layer, tiny_checkpoint
     got = protection_scores(x, layer.gate, layer.gate_up, layer.down, sim, 4, True, token_chunk=6, expert_chunk=5)
 
     partner = [max((q for q in range(E) if q != e), key=lambda q: sim[e, q]) for e in range(E)]
-    _, ids, w = route_topk(x, layer.gate, 4, True)
+    _, ids, w = router_reference(x, layer.gate, 4, True)
     want = torch.zeros(E, dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, weight in zip(ids[t].tolist(), w[t].tolist()):

@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from zipmoe.engine.routing import route_topk
+from zipmoe.kernels.layer_ops import router_reference
 from zipmoe.kernels import fused_moe
 from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_reference, fused_experts_with_config
 
@@ -37,7 +37,7 @@ def skewed_routing(batch: int, gate: torch.Tensor, direction: torch.Tensor, seed
     """Router inputs = a shared direction + noise, so popularity is skewed as in trained routers."""
     g = torch.Generator(device=gate.device).manual_seed(seed)
     x = (direction + torch.randn(batch, gate.shape[1], generator=g, device=gate.device)).bfloat16()
-    probs, ids, w = route_topk(x, gate, CFG.top_k, True)
+    probs, ids, w = router_reference(x, gate, CFG.top_k, True)
     return x, probs, ids, w
 
 

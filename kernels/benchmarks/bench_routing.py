@@ -21,8 +21,9 @@ import torch
 from tqdm import tqdm
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy, route_topk
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels.layer_ops import router_reference
 from zipmoe.prompt import ChatPrompt
 from zipmoe.sere_file import load_sere
 
@@ -84,7 +85,7 @@ def synthetic_30b(device: torch.device, steps: int, seed: int = 0, layers: int =
                 for layer in range(layers):
                     noise = torch.randn(batch, hidden, generator=inputs, device=device)
                     x = (directions[layer] + noise).to(torch.bfloat16)
-                    probs, ids, w = route_topk(x, gates[layer], top_k, True)
+                    probs, ids, w = router_reference(x, gates[layer], top_k, True)
                     routed.append((ids, policy.route(layer, probs, ids, w, None)[0]))
                 stats.add_step(routed, batch, experts)
             rows.append({"policy": name, "batch": batch, **fields, **summary(stats.snapshot())})

@@ -31,11 +31,11 @@ from .rope import MRope
 # `experts` may leave a MoE layer's K slot outputs unsummed ([T, K, H], the kernels): add_rms_norm
 # sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
-                          qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, topk_softmax=layer_ops.topk_softmax,
+                          qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, router=layer_ops.router,
                           experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             qk_norm_rope_cache=layer_ops.qk_norm_rope_cache_reference,
-                            topk_softmax=layer_ops.topk_softmax_reference, experts=fused_experts_reference,
+                            router=layer_ops.router_reference, experts=fused_experts_reference,
                             decode_attention=paged_decode_attention_reference)
 
 
@@ -206,8 +206,7 @@ class Qwen3VLMoeTextDecoder:
         [T, H], or [T, K, H] slot outputs still to be summed (`ops.experts` of KERNELS)."""
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
-        probs, ids, weights = self.ops.topk_softmax(F.linear(x, layer.gate), self.cfg.top_k,
-                                                    self.cfg.norm_topk_prob, x.dtype)
+        probs, ids, weights = self.ops.router(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
         if not step.is_prefill:
             routed, weights = ids, weights
             if x.shape[0] >= self.routing_min_batch:

@@ -1,8 +1,5 @@
 """Batch-aware routing policies for decode steps: fewer distinct experts per layer, same weights.
 
-`route_topk` is the router (gate -> softmax -> top-K) as the engine's reference path computes it,
-for code that routes outside the engine: SERE calibration, benchmarks, tests.
-
 In a decode batch every distinct expert costs one read of its weights, so what matters is the
 union of experts the batch activates, not each token's top-K. A policy rewrites one MoE layer's
 (ids, weights) for the T tokens of a decode step. Prefill never goes through here.
@@ -20,17 +17,9 @@ Tokens of requests that opted out keep their top-K (they still contribute primar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels.layer_ops import topk_softmax_reference
 from ..kernels.oea_reroute import oea_reroute, oea_reroute_reference
 from ..kernels.sere_reroute import sere_reroute, sere_reroute_reference
-
-
-def route_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int,
-               normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router: softmax in float32 -> (probs [T, E], top-K ids sorted by score, weights renormalised when asked)."""
-    return topk_softmax_reference(F.linear(x, gate), top_k, normalize, x.dtype)
 
 
 class RoutingStats:
