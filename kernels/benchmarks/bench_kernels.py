@@ -1,12 +1,14 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
 - sere: the re-route kernel per layer-step, as the engine launches it and in other launch shapes,
   vs the reference's device ops (all in a graph).
+- router: the router's GEMM and top-K in one launch (`layer_ops.router`) vs cuBLAS's GEMM then
+  `topk_softmax` (the engine's two launches until session 17), 48 layers' gates in a graph, per layer.
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
@@ -31,6 +33,7 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels.layer_ops import router, topk_softmax
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 from zipmoe.checkpoint import TextConfig
@@ -79,6 +82,29 @@ def bench_sere() -> list[dict]:
             us = graph_time_us(lambda: fn(ids, sim, protect, None, 2, 0.0), calls=48)
             nbytes = ids.numel() * 8 * 2 + E * E * 4
             rows.append(row("sere_kernel", impl, B, us, nbytes, "sere K'=2 rho=0"))
+            print_row(rows[-1])
+    return rows
+
+
+def bench_router(batches=(1, 16, 64, 128)) -> list[dict]:
+    """Per layer: 48 layers' gates (24 MiB, each read once a replay, L2 flushed before it)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    E, H, K = CFG.num_experts, CFG.hidden_size, CFG.top_k
+    gates = [torch.randn(E, H, generator=g, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+             for _ in range(CFG.num_layers)]
+
+    def one_launch(x, gate):
+        return router(x, gate, K, True)
+
+    def two_launches(x, gate):
+        return topk_softmax(torch.nn.functional.linear(x, gate), K, True, x.dtype)
+
+    rows = []
+    for B in batches:
+        x = torch.randn(B, H, generator=g, device="cuda", dtype=torch.bfloat16)
+        for impl, fn in (("triton", one_launch), ("cublas+topk_softmax", two_launches)):
+            us = graph_time_us(lambda: [fn(x, gate) for gate in gates], calls=1, flush_l2=True) / len(gates)
+            rows.append(row("router", impl, B, us, E * H * 2 + B * H * 2))
             print_row(rows[-1])
     return rows
 
@@ -224,7 +250,7 @@ def plot(result: dict, out: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/kernels_h200")
-    ap.add_argument("--parts", default="decode,prefill,moe,sere,importance,paged")
+    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -257,6 +283,8 @@ def main(argv=None) -> int:
             save(bench_moe_prefill())
         if "sere" in parts:
             save(bench_sere())
+        if "router" in parts:
+            save(bench_router())
         if "importance" in parts:
             from .bench_importance import bench_importance
             save(bench_importance("cuda"))
