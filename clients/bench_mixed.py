@@ -4,15 +4,19 @@ measures): running text streams while image requests, or text prompts as long, a
 target can be traced to a phase of the requests: image decoding and the tower right after the send,
 the prompt step that ends at the request's first token, or elsewhere.
 
+The streams run in threads of this process; the arrivals come from processes of their own
+(SENDERS), so building and sending a 30-image request never delays the streams' timestamps.
+
 `b` is bench_serving's `Bench` (the server's endpoints and the run's arguments).
 """
 from __future__ import annotations
 
 import bisect
+import multiprocessing
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -24,6 +28,26 @@ from zipmoe.clients.triton_client import ServerError
 LONG = 2.5  # a gap is long above this many times the median: the target of issue 13 reads p99 / p50
 AT_FIRST_TOKEN_MS = 5.0  # a gap ending this close to an image request's first response ends with its prompt step
 BIN_MS = 20
+SENDERS = 3  # arrival processes: a 30-image request takes ~0.3 s on an H200, one arrives every --period s
+
+_sender: dict = {}  # in an arrival process: the server's URL and the request every arrival sends
+
+
+def _init_sender(url: str, arrival: dict) -> None:
+    _sender.update(url=url, arrival=arrival)
+
+
+def _send_arrival(tokens: int) -> tuple[float | None, float | None, str | None]:
+    """In an arrival process: one request; (send, first response) on perf_counter's clock (the
+    system's CLOCK_MONOTONIC, the streams' clock too), or its error."""
+    if not tokens:  # the warm-up call: the process is up, its client library imported
+        return None, None, None
+    try:
+        start, times, _ = timed_stream(_sender["url"], max_tokens=tokens, ignore_eos=True, priority=0,
+                                       **_sender["arrival"])
+        return start, times[0], None
+    except ServerError as e:
+        return None, None, f"image request: {e}"
 
 
 def prompt_tokens(url: str, **inputs) -> int:
@@ -58,34 +82,40 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
                 errors.append(f"{type(e).__name__}: {e}")
                 time.sleep(0.1)
 
-    def image_request() -> float | None:
-        try:
-            start, times, _ = timed_stream(b.url, max_tokens=a.ttft_tokens, ignore_eos=True, priority=0, **arrival)
-            sent.append((start, times[0]))
-            return (times[0] - start) * 1e3
-        except ServerError as e:
-            errors.append(f"image request: {e}")
+    def image_request(outcome) -> float | None:
+        start, first, error = outcome
+        if error:
+            errors.append(error)
             return None
+        sent.append((start, first))
+        return (first - start) * 1e3
 
-    for _ in range(a.warmup):
-        image_request()
-    workers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(a.streams)]
-    for w in workers:
-        w.start()
-    deadline = time.monotonic() + 600  # the window opens when every stream decodes (or has failed)
-    while not all(any(r) for r in requests) and len(errors) < a.streams and time.monotonic() < deadline:
-        time.sleep(0.01)
-    before, t0 = b.scrape(), time.perf_counter()
-    t1 = t0 + a.duration
-    with ThreadPoolExecutor(max(1, int(np.ceil(a.duration / a.period)))) as pool:
+    # The arrivals come from processes of their own, as other clients' requests do: sending 30
+    # images from a thread of this process held the interpreter lock while the streams' tokens
+    # arrived, and delayed their timestamps.
+    senders = ProcessPoolExecutor(SENDERS, mp_context=multiprocessing.get_context("spawn"),
+                                  initializer=_init_sender, initargs=(b.url, arrival))
+    with senders:
+        for f in [senders.submit(_send_arrival, 0) for _ in range(SENDERS)]:
+            f.result()
+        for _ in range(a.warmup):
+            image_request(senders.submit(_send_arrival, a.ttft_tokens).result())
+        workers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(a.streams)]
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 600  # the window opens when every stream decodes (or has failed)
+        while not all(any(r) for r in requests) and len(errors) < a.streams and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before, t0 = b.scrape(), time.perf_counter()
+        t1 = t0 + a.duration
         futures = []
         while t0 + len(futures) * a.period < t1:
             time.sleep(max(0.0, t0 + len(futures) * a.period - time.perf_counter()))
-            futures.append(pool.submit(image_request))
+            futures.append(senders.submit(_send_arrival, a.ttft_tokens))
         time.sleep(max(0.0, t1 - time.perf_counter()))
         stop.set()
         after = b.scrape()
-        ttfts = [t for t in (f.result() for f in futures) if t is not None]
+        ttfts = [t for t in (image_request(f.result()) for f in futures) if t is not None]
     for w in workers:
         w.join()
     gaps, tpots, tokens, windows = [], [], 0, []
