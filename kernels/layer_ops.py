@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .arrivals import arrival_counters
+
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
@@ -251,15 +253,7 @@ def router_reference(x: torch.Tensor, gate: torch.Tensor, top_k: int,
 ROUTER_BLOCK_T = 16  # tokens per program (tl.dot's smallest tile)
 ROUTER_BLOCK_E = 16  # experts per program: E / 16 programs share the gate's read (128 experts: 8 of 256 kB)
 ROUTER_MAX_T = 256  # above this (prefill) cuBLAS's GEMM and `topk_softmax` are faster than one program per tile
-_arrivals: dict[torch.device, torch.Tensor] = {}  # per device, a counter per token block, left at zero
-
-
-def _router_arrivals(device: torch.device) -> torch.Tensor:
-    """The counters the router's programs check in on; allocated once (before a CUDA graph captures
-    the router: the engine's warm-up steps run it first), and every launch leaves them at zero."""
-    if device not in _arrivals:
-        _arrivals[device] = torch.zeros(triton.cdiv(ROUTER_MAX_T, ROUTER_BLOCK_T), dtype=torch.int32, device=device)
-    return _arrivals[device]
+ROUTER_GROUPS = ROUTER_MAX_T // ROUTER_BLOCK_T  # arrival counters: one per token tile
 
 
 @triton.jit
@@ -267,9 +261,9 @@ def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     # Program (tile, expert block) computes BLOCK_T x BLOCK_E logits, rounded to x's dtype as
-    # F.linear rounds them; the last program of a token tile to check in (one atomic each) then
-    # holds every logit of its rows and does topk_softmax's work on them. One launch, where the
-    # GEMM and the top-K were two, and the logits never wait for a second kernel.
+    # F.linear rounds them; the last program of a token tile to check in (`kernels/arrivals.py`)
+    # then holds every logit of its rows and does topk_softmax's work on them. One launch, where
+    # the GEMM and the top-K were two.
     tile, eb = tl.program_id(0), tl.program_id(1)
     rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -325,10 +319,11 @@ def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
     if T:
         logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(T, ROUTER_BLOCK_T), triton.cdiv(E, ROUTER_BLOCK_E))
-        _router_kernel[grid](x.contiguous(), gate.contiguous(), logits, _router_arrivals(x.device), probs, ids,
-                             weights, T, H, E, K=top_k, E_PAD=triton.next_power_of_2(E),
-                             K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize, BLOCK_T=ROUTER_BLOCK_T,
-                             BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=128, num_warps=4)
+        arrivals = arrival_counters("router", x.device, ROUTER_GROUPS)
+        _router_kernel[grid](x.contiguous(), gate.contiguous(), logits, arrivals, probs, ids, weights, T, H, E,
+                             K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
+                             NORMALIZE=normalize, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=128,
+                             num_warps=4)
     return probs, ids, weights
 
 

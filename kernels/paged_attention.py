@@ -12,8 +12,9 @@ Why it is shaped this way:
   and replayed with new block tables and context lengths written in place. Partitions past a
   sequence's context return at once, so the fixed grid costs little on short contexts.
 - Splitting each context into partitions ("flash-decoding") gives small decode batches enough
-  programs to fill the GPU; a second kernel merges the partitions' (max, sum, acc) with
-  log-sum-exp weights.
+  programs to fill the GPU. The partitions' (max, sum, acc) are merged with log-sum-exp weights
+  by the last program of their (sequence, kv head) to finish (`kernels/arrivals.py`), not by a
+  second kernel; a context of one partition is written out by its only program directly.
 - One program serves all the query heads of a GQA group (Qwen3-30B-A3B: 8 q heads per kv head),
   so each K/V tile is read from memory once per group rather than once per query head, and the
   group's scores come from one tl.dot.
@@ -21,6 +22,8 @@ Why it is shaped this way:
 from __future__ import annotations
 
 import torch
+
+from .arrivals import arrival_counters
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -31,6 +34,7 @@ import triton.language as tl
 # contexts, as a CUDA graph captured for max_model_len pads it (B=64, 1k contexts, a 32k-wide table:
 # 92 us at 128, 70 at 256, 58 at 512, against 55 with an exact table) and cost B=1 more (512: 16.8 us).
 PARTITION_SIZE = 256
+MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -56,8 +60,8 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 @triton.jit
 def _partition_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
-    stride_qb, stride_qh,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr, out_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_tb,
@@ -72,15 +76,20 @@ def _partition_kernel(
     part = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
     start = part * PARTITION
-    if start >= ctx:
-        return  # the merge reads only the partitions a context reaches
-
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     q_heads = kv_head * GROUP + g
+    store = g < GROUP
+    out_rows = out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + d[None, :]
+    if (ctx == 0) & (part == 0):  # an empty context has no partition to merge: its output is 0
+        tl.store(out_rows, tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=store[:, None])
+    if start >= ctx:
+        return  # only the partitions a context reaches check in
+
     # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None], other=0.0)
+                mask=store[:, None], other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -107,48 +116,34 @@ def _partition_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    row = (seq * tl.num_programs(1) * GROUP + q_heads).to(tl.int64) * num_parts + part
-    store = g < GROUP
-    tl.store(m_ptr + row, m_i, mask=store)
-    tl.store(l_ptr + row, l_i, mask=store)
-    tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=store[:, None])
-
-
-@triton.jit
-def _merge_kernel(
-    m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr,
-    stride_ob, stride_oh,
-    num_parts,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr,
-    PARTS_TILE: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    ctx = tl.load(lens_ptr + seq)
-    used = tl.cdiv(ctx, PARTITION)  # partitions past it were never written
-    row = (seq * NUM_HEADS + head).to(tl.int64) * num_parts
-    d = tl.arange(0, HEAD_DIM)
-    offs = tl.arange(0, PARTS_TILE)
-
-    m_run = tl.full([], float("-inf"), tl.float32)
-    l_run = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for p0 in range(0, used, PARTS_TILE):
-        parts = p0 + offs
-        valid = parts < used
-        m = tl.load(m_ptr + row + parts, mask=valid, other=float("-inf"))
-        l = tl.load(l_ptr + row + parts, mask=valid, other=0.0)
-        a = tl.load(acc_ptr + (row + parts)[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 0))
-        w = tl.exp2(m - m_new)  # each partition's log-sum-exp weight against the running max
-        scale_old = tl.exp2(m_run - m_new)
-        l_run = l_run * scale_old + tl.sum(w * l, 0)
-        acc = acc * scale_old + tl.sum(w[:, None] * a, 0)
-        m_run = m_new
-
-    # An empty context (ctx 0) never enters the loop: acc and l_run stay 0 and the output is 0.
-    out = acc / tl.maximum(l_run, 1e-30)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    used = tl.cdiv(ctx, PARTITION)
+    if used == 1:  # the whole context was this program's: no partition to merge with
+        tl.store(out_rows, (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=store[:, None])
+        return
+    rows = (seq * tl.num_programs(1) * GROUP + q_heads).to(tl.int64) * num_parts
+    tl.store(m_ptr + rows + part, m_i, mask=store)
+    tl.store(l_ptr + rows + part, l_i, mask=store)
+    tl.store(acc_ptr + (rows + part)[:, None] * HEAD_DIM + d[None, :], acc, mask=store[:, None])
+    counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1) == used - 1:  # the last partition to finish merges them all
+        tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+        m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_run = tl.zeros([GROUP_PAD], tl.float32)
+        out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for j in range(0, used):
+            # .cg: from L2, where the other programs' partials are, never this SM's L1. Padding
+            # rows read m = 0, so their weights stay finite (they are never stored).
+            m = tl.load(m_ptr + rows + j, mask=store, other=0.0, cache_modifier=".cg")
+            l = tl.load(l_ptr + rows + j, mask=store, other=0.0, cache_modifier=".cg")
+            a = tl.load(acc_ptr + (rows + j)[:, None] * HEAD_DIM + d[None, :], mask=store[:, None], other=0.0,
+                        cache_modifier=".cg")
+            m_new = tl.maximum(m_run, m)
+            w = tl.exp2(m - m_new)  # this partition's log-sum-exp weight against the running max
+            scale_old = tl.exp2(m_run - m_new)
+            l_run = l_run * scale_old + w * l
+            out = out * scale_old[:, None] + w[:, None] * a
+            m_run = m_new
+        tl.store(out_rows, (out / tl.maximum(l_run, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=store[:, None])
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, block_size):
@@ -193,9 +188,12 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
     acc = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     if B == 0:
         return out
+    if B * Hkv > MAX_GROUPS:
+        raise ValueError(f"{B} sequences x {Hkv} kv heads: more than the {MAX_GROUPS} groups one launch merges")
     _partition_kernel[(B, Hkv, num_parts)](
         q, k_cache, v_cache, block_tables, context_lens, m, l, acc,
-        q.stride(0), q.stride(1),
+        arrival_counters("paged_decode_attention", q.device, MAX_GROUPS), out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0),
@@ -205,14 +203,6 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION=partition_size,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
-    )
-    _merge_kernel[(B, Hq)](
-        m, l, acc, context_lens, out,
-        out.stride(0), out.stride(1),
-        num_parts,
-        NUM_HEADS=Hq, HEAD_DIM=D, PARTITION=partition_size,
-        PARTS_TILE=min(16, triton.next_power_of_2(num_parts)),  # at most 5 variants to compile
-        num_warps=4 if D >= 128 else 1,
     )
     return out
 

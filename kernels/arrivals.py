@@ -1,0 +1,29 @@
+"""Counters for kernels that finish their work in the last program to arrive.
+
+A kernel split over programs that each compute a share (expert blocks of the router's logits,
+partitions of a decode context) needs one more step over all the shares (the top-K, the
+log-sum-exp merge). Instead of a second launch, each program stores its share and checks in with
+one atomic add on its group's counter; the program that sees the count reach the group's size
+holds every share (the atomic's acquire-release ordering makes the others' stores visible), does
+the last step, and sets the counter back to zero for the next launch.
+
+The counters live as long as the process, one fixed-size buffer per kernel and device, allocated
+by the first (eager) call: a CUDA graph that captures the kernel keeps their address, so the
+buffer is never replaced or grown.
+"""
+from __future__ import annotations
+
+import torch
+
+_buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(kernel: str, device: torch.device, size: int) -> torch.Tensor:
+    """The zeroed int32 counters [size] of `kernel` on `device` (the same tensor at every call)."""
+    key = (kernel, torch.device(device))
+    if key not in _buffers:
+        _buffers[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    buffer = _buffers[key]
+    if buffer.numel() != size:
+        raise ValueError(f"{kernel}: arrival counters were made for {buffer.numel()} groups, not {size}")
+    return buffer
