@@ -3,9 +3,11 @@
 A kernel split over programs that each compute a share (expert blocks of the router's logits,
 partitions of a decode context) needs one more step over all the shares (the top-K, the
 log-sum-exp merge). Instead of a second launch, each program stores its share and checks in with
-one atomic add on its group's counter; the program that sees the count reach the group's size
-holds every share (the atomic's acquire-release ordering makes the others' stores visible), does
-the last step, and sets the counter back to zero for the next launch.
+one atomic add on its group's counter, after a barrier (the atomic is one thread's: the barrier
+puts every thread's stores before it); the program that sees the count reach the group's size
+holds every share (the atomic's acquire-release ordering at GPU scope makes the others' stores
+visible; it reads them with .cg loads, from L2), does the last step, and sets the counter back to
+zero for the next launch.
 
 The counters live as long as the process, one fixed-size buffer per kernel and device, allocated
 by the first (eager) call: a CUDA graph that captures the kernel keeps their address, so the

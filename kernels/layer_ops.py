@@ -276,8 +276,10 @@ def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr
         acc += tl.dot(xs, tl.trans(gs))
     tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=(rows[:, None] < T) & (experts[None, :] < E))
-    # acq_rel: this program's logits are visible to whoever checks in after it.
-    if tl.atomic_add(arrivals_ptr + tile, 1) == tl.num_programs(1) - 1:
+    # Every thread's stores done (the barrier), then one release-acquire check-in: this program's
+    # logits are visible to whoever checks in after it.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
         tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch (and graph replay)
         e = tl.arange(0, E_PAD)
         ok = (rows[:, None] < T) & (e[None, :] < E)

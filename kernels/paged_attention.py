@@ -125,7 +125,8 @@ def _partition_kernel(
     tl.store(l_ptr + rows + part, l_i, mask=store)
     tl.store(acc_ptr + (rows + part)[:, None] * HEAD_DIM + d[None, :], acc, mask=store[:, None])
     counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1) == used - 1:  # the last partition to finish merges them all
+    tl.debug_barrier()  # every thread's stores done before the release-acquire check-in
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:  # the last one merges them all
         tl.store(counter, 0)  # zero again for the next launch (and graph replay)
         m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_run = tl.zeros([GROUP_PAD], tl.float32)
