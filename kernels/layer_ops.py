@@ -259,7 +259,7 @@ ROUTER_GROUPS = ROUTER_MAX_T // ROUTER_BLOCK_T  # arrival counters: one per toke
 @triton.jit
 def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E,
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Program (tile, expert block) computes BLOCK_T x BLOCK_E logits, rounded to x's dtype as
     # F.linear rounds them; the last program of a token tile to check in (`kernels/arrivals.py`)
     # then holds every logit of its rows and does topk_softmax's work on them. One launch, where
@@ -273,7 +273,7 @@ def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr
         xs = tl.load(x_ptr + rows[:, None] * H + h[None, :], mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0)
         gs = tl.load(gate_ptr + experts[:, None] * H + h[None, :], mask=(experts[:, None] < E) & (h[None, :] < H),
                      other=0.0)
-        acc += tl.dot(xs, tl.trans(gs))
+        acc += tl.dot(xs, tl.trans(gs), input_precision=DOT_PRECISION)
     tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(logits_ptr.dtype.element_ty),
              mask=(rows[:, None] < T) & (experts[None, :] < E))
     # Every thread's stores done (the barrier), then one release-acquire check-in: this program's
@@ -325,7 +325,8 @@ def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
         _router_kernel[grid](x.contiguous(), gate.contiguous(), logits, arrivals, probs, ids, weights, T, H, E,
                              K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
                              NORMALIZE=normalize, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=128,
-                             num_warps=4)
+                             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
+                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return probs, ids, weights
 
 
