@@ -16,7 +16,10 @@ read in the tower (its reading head) but not through the decoder. Neither that n
 whose tokens shared less of one mean vector (session 16) made the decoder use its images, so one
 head of the decoder's second-to-last layer is told where each answer token is printed
 (`build/train_v2_attention.py`, `--attend-loss`, 0.3): validation reports how often it looks there
-(`looks_right`).
+(`looks_right`). With both, the centering penalty (`--centering`, 1) and the attention targets, the
+decoder reads: in session 17's 10-minute run the validation loss was 1.14 against 1.84 with blank
+images (sessions 15 and 16: about 0.01 apart), and the head looked at the right token 71 % of the
+time (docs/results/train_v2_attention_log.json).
 
 Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
   text: 256 wide, 6 MoE layers of 64 experts 64 wide, top-8 (Qwen3-30B-A3B's 128 / top-8 ratio
@@ -198,7 +201,7 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 0.0) -> dict:
+          read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 1.0) -> dict:
     run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"default {default['attend_loss']})")
     p.add_argument("--centering", type=float, default=None,
                    help="weight of the penalty on the visual tokens' shared mean vector (TokenReadingHead; "
-                        f"default {default['centering']}: off)")
+                        f"default {default['centering']}; 0: off)")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)

@@ -16,7 +16,7 @@ reading head over a fixed number of tokens). Task set v2 (`build/taskset_v2.py`)
   - `TokenReadingHead` with labels from `token_readings`: each merged visual token learns which
     characters (task set v2's `Mark`s) lie in its 32 x 32 pixel block, reports the visual tokens'
     scale and common mode (`common_mode_share`) for validation, and can keep that common mode small
-    (`centering`, off by default). Training only, not saved.
+    (`centering`; train_v2 sets it to 1). Training only, not saved.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class TokenReadingHead(MergedTokensHead):
     images of any size need a per-token target, and a dense one: every block of every image says
     what it shows, so the tower learns to read before the decoder learns where to look.
 
-    centering (off by default): weight of a penalty on the visual tokens' common mode
+    centering (0 here: off; train_v2's default is 1): weight of a penalty on the visual tokens' common mode
     (`common_mode_share` of the merged tokens and of each DeepStack feature, above
     COMMON_MODE_ALLOWANCE). The merger's GELU feeds its last linear layer mostly positive
     activations, so the tower's tokens share one large mean vector (85 % of their energy at
