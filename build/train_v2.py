@@ -277,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of the answer-attention targets (train_v2_attention; 0: off; "
                         f"default {default['attend_loss']})")
     p.add_argument("--centering", type=float, default=None,
-                   help="weight of the penalty on the visual tokens' shared mean vector (TokenReadingHead; "
+                   help="weight of the penalty on the visual tokens' shared mean vector, inside the reading "
+                        "head's loss, so scaled by --reading-loss too (TokenReadingHead; "
                         f"default {default['centering']}; 0: off)")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)

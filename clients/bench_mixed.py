@@ -4,14 +4,16 @@ measures): running text streams while image requests, or text prompts as long, a
 target can be traced to a phase of the requests: image decoding and the tower right after the send,
 the prompt step that ends at the request's first token, or elsewhere.
 
-The streams run in threads of this process; the arrivals come from processes of their own
-(SENDERS), so building and sending a 30-image request never delays the streams' timestamps.
+The streams run in threads of this process; the arrivals come from processes of their own (one
+per arrival of the window, up to MAX_SENDERS), so building and sending a 30-image request never
+delays the streams' timestamps.
 
 `b` is bench_serving's `Bench` (the server's endpoints and the run's arguments).
 """
 from __future__ import annotations
 
 import bisect
+import math
 import multiprocessing
 import threading
 import time
@@ -28,19 +30,23 @@ from zipmoe.clients.triton_client import ServerError
 LONG = 2.5  # a gap is long above this many times the median: the target of issue 13 reads p99 / p50
 AT_FIRST_TOKEN_MS = 5.0  # a gap ending this close to an image request's first response ends with its prompt step
 BIN_MS = 20
-SENDERS = 3  # arrival processes: a 30-image request takes ~0.3 s on an H200, one arrives every --period s
+MAX_SENDERS = 32  # arrival processes; each sends one arrival at a time, so one per arrival of the window
 
-_sender: dict = {}  # in an arrival process: the server's URL and the request every arrival sends
+_sender: dict = {}  # in an arrival process: the server's URL, the request every arrival sends, the start barrier
 
 
-def _init_sender(url: str, arrival: dict) -> None:
-    _sender.update(url=url, arrival=arrival)
+def _init_sender(url: str, arrival: dict, ready) -> None:
+    import tritonclient.grpc  # noqa: F401 -- imported now, not inside the first timed request
+
+    _sender.update(url=url, arrival=arrival, ready=ready)
 
 
 def _send_arrival(tokens: int) -> tuple[float | None, float | None, str | None]:
     """In an arrival process: one request; (send, first response) on perf_counter's clock (the
-    system's CLOCK_MONOTONIC, the streams' clock too), or its error."""
-    if not tokens:  # the warm-up call: the process is up, its client library imported
+    system's CLOCK_MONOTONIC, the streams' clock too), or its error. tokens 0: the start-up call,
+    which waits until every process has one (so each is up before the window opens)."""
+    if not tokens:
+        _sender["ready"].wait(timeout=300)
         return None, None, None
     try:
         start, times, _ = timed_stream(_sender["url"], max_tokens=tokens, ignore_eos=True, priority=0,
@@ -82,21 +88,22 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
                 errors.append(f"{type(e).__name__}: {e}")
                 time.sleep(0.1)
 
-    def image_request(outcome) -> float | None:
+    def image_request(outcome) -> None:
         start, first, error = outcome
         if error:
             errors.append(error)
-            return None
-        sent.append((start, first))
-        return (first - start) * 1e3
+        else:
+            sent.append((start, first))
 
     # The arrivals come from processes of their own, as other clients' requests do: sending 30
     # images from a thread of this process held the interpreter lock while the streams' tokens
-    # arrived, and delayed their timestamps.
-    senders = ProcessPoolExecutor(SENDERS, mp_context=multiprocessing.get_context("spawn"),
-                                  initializer=_init_sender, initargs=(b.url, arrival))
-    with senders:
-        for f in [senders.submit(_send_arrival, 0) for _ in range(SENDERS)]:
+    # arrived, and delayed their timestamps. One process per arrival, so none waits for a free one.
+    spawn = multiprocessing.get_context("spawn")
+    count = min(MAX_SENDERS, max(1, math.ceil(a.duration / a.period)))
+    ready = spawn.Barrier(count)
+    with ProcessPoolExecutor(count, mp_context=spawn, initializer=_init_sender,
+                             initargs=(b.url, arrival, ready)) as senders:
+        for f in [senders.submit(_send_arrival, 0) for _ in range(count)]:
             f.result()
         for _ in range(a.warmup):
             image_request(senders.submit(_send_arrival, a.ttft_tokens).result())
@@ -115,7 +122,8 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
         time.sleep(max(0.0, t1 - time.perf_counter()))
         stop.set()
         after = b.scrape()
-        ttfts = [t for t in (image_request(f.result()) for f in futures) if t is not None]
+        for f in futures:
+            image_request(f.result())
     for w in workers:
         w.join()
     gaps, tpots, tokens, windows = [], [], 0, []
@@ -126,6 +134,7 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
             gaps.extend(np.diff(inside) * 1e3)
             tpots.append((inside[-1] - inside[0]) * 1e3 / (len(inside) - 1))
     in_window = [(s, f) for s, f in sent if t0 <= s <= t1]
+    ttfts = [(f - s) * 1e3 for s, f in in_window]  # sent in the window (a late send would meet an idle server)
     what = "a text prompt as long" if text_only else f"{a.images} images"
     return [row("mixed_text" if text_only else "mixed", a.mixed_keep, b.routing, concurrency=a.streams,
                 images=0 if text_only else a.images, n=len(ttfts),

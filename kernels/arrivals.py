@@ -11,7 +11,9 @@ zero for the next launch.
 
 The counters live as long as the process, one fixed-size buffer per kernel and device, allocated
 by the first (eager) call: a CUDA graph that captures the kernel keeps their address, so the
-buffer is never replaced or grown.
+buffer is never replaced or grown. One buffer per kernel and device means one launch of a kernel at
+a time on a device: the engine runs every step on one stream. Two launches of the same kernel
+running at once on two streams would count into each other's groups.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ def arrival_counters(kernel: str, device: torch.device, size: int) -> torch.Tens
     """The zeroed int32 counters [size] of `kernel` on `device` (the same tensor at every call)."""
     key = (kernel, torch.device(device))
     if key not in _buffers:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{kernel}: run it once before a CUDA graph captures it (its counters are made then)")
         _buffers[key] = torch.zeros(size, dtype=torch.int32, device=device)
     buffer = _buffers[key]
     if buffer.numel() != size:

@@ -116,7 +116,9 @@ def _partition_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    used = tl.cdiv(ctx, PARTITION)
+    # A context longer than its table reaches no further than the grid (a bad input must not leave
+    # a counter short of its count for the next launch).
+    used = tl.minimum(tl.cdiv(ctx, PARTITION), num_parts)
     if used == 1:  # the whole context was this program's: no partition to merge with
         tl.store(out_rows, (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=store[:, None])
         return
