@@ -197,27 +197,39 @@ def topk_softmax_reference(logits: torch.Tensor, top_k: int, normalize: bool,
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, probs_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, E_PAD: tl.constexpr,
-                         K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.constexpr, K: tl.constexpr,
+                        E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Router logits [R, E_PAD] (float32) of token rows `rows` [R] -> their softmax, top-K ids and
+    weights, stored; columns past E and rows past T are masked out. Shared by both router kernels."""
     e = tl.arange(0, E_PAD)
-    logit = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logit - tl.max(logit, axis=0))
-    p = p / tl.sum(p, axis=0)
-    tl.store(probs_ptr + t * E + e, p, mask=e < E)
+    ok = (rows[:, None] < T) & (e[None, :] < E)
+    logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out below)
+    p = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    tl.store(probs_ptr + rows[:, None] * E + e[None, :], p, mask=ok)
     slot = tl.arange(0, K_PAD)
-    ids = tl.zeros([K_PAD], dtype=tl.int64)
-    ws = tl.zeros([K_PAD], dtype=tl.float32)
-    left = tl.where(e < E, p, -1.0)
+    ids = tl.zeros([R, K_PAD], dtype=tl.int64)
+    ws = tl.zeros([R, K_PAD], dtype=tl.float32)
+    left = tl.where(ok, p, -1.0)
     for k in tl.static_range(K):  # K is small (8): K passes of max + argmax beat a sort
-        best = tl.argmax(left, axis=0, tie_break_left=True)
-        ws = tl.where(slot == k, tl.max(left, axis=0), ws)
-        ids = tl.where(slot == k, best.to(tl.int64), ids)
-        left = tl.where(e == best, -1.0, left)
+        best = tl.argmax(left, axis=1, tie_break_left=True)
+        ws = tl.where(slot[None, :] == k, tl.max(left, axis=1)[:, None], ws)
+        ids = tl.where(slot[None, :] == k, best[:, None].to(tl.int64), ids)
+        left = tl.where(e[None, :] == best[:, None], -1.0, left)
     if NORMALIZE:
-        ws = ws / tl.sum(ws, axis=0)
-    tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
-    tl.store(w_ptr + t * K + slot, ws.to(w_ptr.dtype.element_ty), mask=slot < K)
+        ws = ws / tl.sum(ws, axis=1)[:, None]
+    keep = (rows[:, None] < T) & (slot[None, :] < K)
+    tl.store(ids_ptr + rows[:, None] * K + slot[None, :], ids, mask=keep)
+    tl.store(w_ptr + rows[:, None] * K + slot[None, :], ws.to(w_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, probs_ptr, ids_ptr, w_ptr, T, E, K: tl.constexpr, E_PAD: tl.constexpr,
+                         K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # one token a program
+    e = tl.arange(0, E_PAD)
+    logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=e[None, :] < E, other=0.0).to(tl.float32)
+    _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, 1, K, E_PAD, K_PAD, NORMALIZE)
 
 
 @torch.library.custom_op("zipmoe::topk_softmax", mutates_args=())
@@ -229,7 +241,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, normalize: bool,
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(T, top_k, dtype=dtype, device=logits.device)
     if T:
-        _topk_softmax_kernel[(T,)](logits.contiguous(), probs, ids, weights, E, K=top_k,
+        _topk_softmax_kernel[(T,)](logits.contiguous(), probs, ids, weights, T, E, K=top_k,
                                    E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
                                    NORMALIZE=normalize, num_warps=1 if E <= 256 else 4)
     return probs, ids, weights
@@ -240,7 +252,6 @@ def _(logits, top_k, normalize, dtype):
     T, E = logits.shape
     return (logits.new_empty(T, E, dtype=torch.float32), logits.new_empty(T, top_k, dtype=torch.int64),
             logits.new_empty(T, top_k, dtype=dtype))
-
 
 
 def router_reference(x: torch.Tensor, gate: torch.Tensor, top_k: int,
@@ -282,28 +293,10 @@ def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr
     if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
         tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch (and graph replay)
         e = tl.arange(0, E_PAD)
-        ok = (rows[:, None] < T) & (e[None, :] < E)
         # .cg: read from L2, where the other programs' logits are, never from this SM's L1.
-        logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=ok, other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
-        logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out below)
-        p = tl.exp(logit - tl.max(logit, axis=1)[:, None])
-        p = p / tl.sum(p, axis=1)[:, None]
-        tl.store(probs_ptr + rows[:, None] * E + e[None, :], p, mask=ok)
-        slot = tl.arange(0, K_PAD)
-        ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int64)
-        ws = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-        left = tl.where(ok, p, -1.0)
-        for k in tl.static_range(K):
-            best = tl.argmax(left, axis=1, tie_break_left=True)
-            ws = tl.where(slot[None, :] == k, tl.max(left, axis=1)[:, None], ws)
-            ids = tl.where(slot[None, :] == k, best[:, None].to(tl.int64), ids)
-            left = tl.where(e[None, :] == best[:, None], -1.0, left)
-        if NORMALIZE:
-            ws = ws / tl.sum(ws, axis=1)[:, None]
-        keep = (rows[:, None] < T) & (slot[None, :] < K)
-        tl.store(ids_ptr + rows[:, None] * K + slot[None, :], ids, mask=keep)
-        tl.store(w_ptr + rows[:, None] * K + slot[None, :], ws.to(w_ptr.dtype.element_ty), mask=keep)
+        logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < T) & (e[None, :] < E),
+                        other=0.0, cache_modifier=".cg").to(tl.float32)
+        _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
 
 
 @torch.library.custom_op("zipmoe::router", mutates_args=())
