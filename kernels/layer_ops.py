@@ -262,40 +262,60 @@ def router_reference(x: torch.Tensor, gate: torch.Tensor, top_k: int,
 
 
 ROUTER_BLOCK_T = 16  # tokens per program (tl.dot's smallest tile)
-ROUTER_BLOCK_E = 16  # experts per program: E / 16 programs share the gate's read (128 experts: 8 of 256 kB)
+ROUTER_BLOCK_E = 16  # experts per program
+ROUTER_BLOCK_H = 128  # hidden columns per loop iteration
+# Decode reads the gate (128 x 2048 bf16: 512 kB) from few token tiles, and one program's loads
+# wait ~1 us each: session 18's profile gave 11 us a layer to 8 programs walking H in 16 steps.
+# So H is split too, until about ROUTER_PROGRAMS programs each read a few kB at once; the splits'
+# float32 partial logits are summed by the last program of the tile, at most ROUTER_MAX_SPLIT
+# loads from L2.
+ROUTER_PROGRAMS = 64
+ROUTER_MAX_SPLIT = 8
 ROUTER_MAX_T = 256  # above this (prefill) cuBLAS's GEMM and `topk_softmax` are faster than one program per tile
 ROUTER_GROUPS = ROUTER_MAX_T // ROUTER_BLOCK_T  # arrival counters: one per token tile
 
 
+def router_split(T: int, H: int, E: int) -> int:
+    """How many programs share one (token tile, expert block)'s hidden dimension."""
+    tiles = triton.cdiv(T, ROUTER_BLOCK_T) * triton.cdiv(E, ROUTER_BLOCK_E)
+    return max(1, min(ROUTER_PROGRAMS // tiles, ROUTER_MAX_SPLIT, triton.cdiv(H, ROUTER_BLOCK_H)))
+
+
 @triton.jit
-def _router_kernel(x_ptr, gate_ptr, logits_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E,
+def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E, H_PER_SPLIT,
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Program (tile, expert block) computes BLOCK_T x BLOCK_E logits, rounded to x's dtype as
-    # F.linear rounds them; the last program of a token tile to check in (`kernels/arrivals.py`)
-    # then holds every logit of its rows and does topk_softmax's work on them. One launch, where
-    # the GEMM and the top-K were two.
-    tile, eb = tl.program_id(0), tl.program_id(1)
+                   SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    # Program (tile, expert block, split) sums BLOCK_T x BLOCK_E logits over its H_PER_SPLIT hidden
+    # columns in float32; the last program of a token tile to check in (`kernels/arrivals.py`) sums
+    # the splits, rounds to x's dtype as F.linear rounds its logits, and does topk_softmax's work
+    # on them. One launch, where the GEMM and the top-K were two.
+    tile, eb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(split * H_PER_SPLIT, tl.minimum((split + 1) * H_PER_SPLIT, H), BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         xs = tl.load(x_ptr + rows[:, None] * H + h[None, :], mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0)
         gs = tl.load(gate_ptr + experts[:, None] * H + h[None, :], mask=(experts[:, None] < E) & (h[None, :] < H),
                      other=0.0)
         acc += tl.dot(xs, tl.trans(gs), input_precision=DOT_PRECISION)
-    tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(logits_ptr.dtype.element_ty),
+    tl.store(partial_ptr + (split * T + rows[:, None]) * E + experts[None, :], acc,
              mask=(rows[:, None] < T) & (experts[None, :] < E))
     # Every thread's stores done (the barrier), then one release-acquire check-in: this program's
-    # logits are visible to whoever checks in after it.
+    # partials are visible to whoever checks in after it.
     tl.debug_barrier()
-    if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+    last = tl.num_programs(1) * tl.num_programs(2) - 1
+    if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == last:
         tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch (and graph replay)
         e = tl.arange(0, E_PAD)
-        # .cg: read from L2, where the other programs' logits are, never from this SM's L1.
-        logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=(rows[:, None] < T) & (e[None, :] < E),
-                        other=0.0, cache_modifier=".cg").to(tl.float32)
+        ok = (rows[:, None] < T) & (e[None, :] < E)
+        logit = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):  # unrolled: the loads are independent, so all can be in flight
+            # .cg: read from L2, where the other programs' partials are, never from this SM's L1.
+            logit += tl.load(partial_ptr + (s * T + rows[:, None]) * E + e[None, :], mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
 
 
@@ -312,12 +332,15 @@ def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
     if T:
-        logits = torch.empty(T, E, dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(T, ROUTER_BLOCK_T), triton.cdiv(E, ROUTER_BLOCK_E))
+        split = router_split(T, H, E)
+        partial = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(T, ROUTER_BLOCK_T), triton.cdiv(E, ROUTER_BLOCK_E), split)
         arrivals = arrival_counters("router", x.device, ROUTER_GROUPS)
-        _router_kernel[grid](x.contiguous(), gate.contiguous(), logits, arrivals, probs, ids, weights, T, H, E,
-                             K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
-                             NORMALIZE=normalize, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=128,
+        h_per_split = triton.cdiv(triton.cdiv(H, split), ROUTER_BLOCK_H) * ROUTER_BLOCK_H
+        _router_kernel[grid](x.contiguous(), gate.contiguous(), partial, arrivals, probs, ids, weights, T, H, E,
+                             h_per_split, K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
+                             NORMALIZE=normalize, SPLIT=split, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E,
+                             BLOCK_H=ROUTER_BLOCK_H,
                              # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
                              DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return probs, ids, weights

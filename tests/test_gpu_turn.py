@@ -114,6 +114,23 @@ def test_running_streams_pause_while_the_turn_is_held(tiny_checkpoint, tmp_path)
         holder.close()
 
 
+def test_the_step_in_flight_is_sent_before_the_pause(tiny_checkpoint, tmp_path):
+    """With async scheduling a step is on the device when a turn begins. Its token goes out before
+    the decoder sleeps, not after the turn with the next step's launch: while the turn is held the
+    stream has every token its engine made (one pause per turn, not two)."""
+    holder, svc = TurnHolder(tmp_path / "turn", 5_000), service(tiny_checkpoint, tmp_path / "turn")
+    try:
+        sink = stream(svc)
+        with holder.held():
+            time.sleep(0.3)
+            (seq,) = svc.engine.scheduler.running
+            assert seq.pending == 0 and len(sink.responses) == len(seq.output_ids)
+        assert svc.engine.steps_pipelined > 0  # the steps before the turn were pipelined
+    finally:
+        svc.shutdown()
+        holder.close()
+
+
 def test_an_arriving_request_ends_the_pause_and_is_answered(tiny_checkpoint, tmp_path, monkeypatch):
     """The image request whose tokens the holder just made reaches the decoder during the hand-off:
     it is admitted and answered at once, and that turn is not waited for again."""

@@ -110,12 +110,13 @@ def test_topk_softmax_matches_reference(device, E, K, normalize):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,H,E,K,normalize", [(1, 2048, 128, 8, True), (5, 96, 60, 2, False), (33, 64, 16, 4, True),
-                                               (300, 64, 16, 4, True)])
+@pytest.mark.parametrize("T,H,E,K,normalize", [(1, 2048, 128, 8, True), (3, 1100, 16, 4, True), (5, 96, 60, 2, False),
+                                               (33, 64, 16, 4, True), (300, 64, 16, 4, True)])
 def test_router_matches_reference(device, T, H, E, K, normalize):
     """The router's GEMM and top-K in one launch (several token tiles and expert blocks, E not a
-    multiple of the block, batch 1, and the two-launch path past ROUTER_MAX_T), twice in a row: the
-    programs' arrival counters must be left at zero for the next launch."""
+    multiple of the block, batch 1 with H split 8 ways, H split unevenly with splits left empty, and
+    the two-launch path past ROUTER_MAX_T), twice in a row: the programs' arrival counters must be
+    left at zero for the next launch."""
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(device, _dtype(device))
     gate = (torch.randn(E, H, generator=g) / H ** 0.5).to(device, _dtype(device))

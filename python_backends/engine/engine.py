@@ -274,6 +274,15 @@ class LLMEngine:
             except BaseException:  # the step in flight is still to be read back by whoever calls next
                 self._inflight = prev
                 raise
+        return self._read_back(prev)
+
+    def read_back(self) -> list[tuple[Sequence, int]]:
+        """The tokens of the step in flight (async scheduling), launching none after it; [] when
+        none is in flight. The next step() schedules as it would without async scheduling."""
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else self._read_back(prev)
+
+    def _read_back(self, prev: InFlight) -> list[tuple[Sequence, int]]:
         if prev.copied is not None:
             prev.copied.synchronize()
         tokens = prev.host.tolist()

@@ -189,6 +189,10 @@ class DecoderService:
         results = self.engine.step() if self.engine.has_work else []
         self._note_admitted()
         self._sample_load()
+        self._emit(results)
+
+    def _emit(self, results: list[tuple[Sequence, int]]) -> None:
+        """Hands a step's tokens to their requests' sinks (through the ResponseWriter)."""
         replies = []
         for seq, token in results:
             p = self._live.get(seq.seq_id)
@@ -206,7 +210,12 @@ class DecoderService:
 
     def _wait_for_turn(self) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
-        a row), until a request arrives, which the step that follows admits, or the service stops."""
+        a row), until a request arrives, which the step that follows admits, or the service stops.
+        The step in flight (async scheduling) finishes during the turn: its tokens go out first."""
+        if self._gpu_turn.held():
+            self._emit(self.engine.read_back())
+            if not self.engine.has_work:  # those were the last tokens: nothing to hold back
+                return
         waited = self._gpu_turn.wait(arrived=lambda: self._stop.is_set() or not self._inbox.empty())
         if waited:
             self.counts["gpu_turn_waits"] += 1

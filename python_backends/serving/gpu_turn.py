@@ -16,9 +16,11 @@ blocks nobody for longer. The waiter, moe_decoder's engine thread before a step 
 sleeps while any holder's deadline is ahead (the deadline it saw first, or a release's if sooner),
 and stops at once when a request arrives (the image request whose tokens were just made: the step
 that follows admits it, and that turn is not waited for again). It never holds back two steps in a
-row, so back-to-back turns still leave the streams a step between them. With async scheduling the
-step already running finishes on the GPU during the wait, but its tokens go out after it, with the
-next step. A batch without images (text-only requests pass through vision_encoder in mm_qa) takes
+row, so back-to-back turns still leave the streams a step between them. With async scheduling a
+step is already on the GPU when the wait starts: the decoder reads it back and sends its tokens
+before it sleeps (`held()`), so a stream pauses once per image request, from its last token before
+the turn to the prompt step's. (Sent after the wait, with the prompt step launched, those tokens
+split the pause in two long gaps: session 18's `mixed` run, docs/PERFORMANCE.md.) A batch without images (text-only requests pass through vision_encoder in mm_qa) takes
 no turn. Devices other than CUDA take no turns: `turn_path` is None for them.
 """
 from __future__ import annotations
@@ -78,6 +80,14 @@ class TurnWaiter:
         self._reader = LevelReader(path) if path is not None else None
         self._answered = 0  # the deadline of the last turn a request's arrival ended
         self._waited_last = False  # the last call held its step back: this one lets the step go
+
+    def held(self) -> bool:
+        """Whether wait() would sleep now: a holder's deadline is ahead, its request has not arrived,
+        and the last call let its step go."""
+        if self._reader is None or self._waited_last:
+            return False
+        current = self._reader.read()
+        return current > time.monotonic_ns() and current != self._answered
 
     def wait(self, arrived: Callable[[], bool]) -> float:
         """Sleeps while a holder's deadline is ahead, or until arrived() says a request came;
