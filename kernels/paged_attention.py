@@ -6,15 +6,20 @@ gathers every context into a dense [B, max_ctx, kv_heads, head_dim] copy; the ke
 engine runs on CUDA) reads the blocks in place instead.
 
 Why it is shaped this way:
-- The launch grid is (sequence, kv head, partition) with the partition count taken from the
-  block table's width and a fixed partition size, never from context_lens' contents. Nothing is
-  read back to the host, so a decode step can be captured in a CUDA graph once per batch shape
-  and replayed with new block tables and context lengths written in place. Partitions past a
-  sequence's context return at once, so the fixed grid costs little on short contexts.
-- Splitting each context into partitions ("flash-decoding") gives small decode batches enough
-  programs to fill the GPU. The partitions' (max, sum, acc) are merged with log-sum-exp weights
-  by the last program of their (sequence, kv head) to finish (`kernels/arrivals.py`), not by a
-  second kernel; a context of one partition is written out by its only program directly.
+- The launch grid is (sequence, kv head, split), with the number of splits taken from the batch
+  shape alone, never from context_lens' contents: nothing is read back to the host, so a decode
+  step can be captured in a CUDA graph once per batch shape and replayed with new block tables and
+  context lengths written in place. Each program takes its share of its own context, the context
+  cut into `splits` chunks of whole key tiles; splits a short context does not reach return at once.
+- Splitting each context ("flash-decoding") gives small decode batches enough programs to fill the
+  GPU; large batches fill it with few splits. The number of programs does not grow with the
+  table's width: a graph's tables are padded to max_model_len, and a grid of fixed-size
+  partitions over them launched thousands of programs that only returned (an H200 sweep at the
+  30B shape, partitions of 256 keys, B=64 with 1k contexts: 70 us in a 32k-wide table against 55 us
+  in an exact one).
+- The splits' (max, sum, acc) are merged with log-sum-exp weights by the last program of their
+  (sequence, kv head) to finish (`kernels/arrivals.py`), not by a second kernel; a context that
+  one split holds whole is written out by its only program directly.
 - One program serves all the query heads of a GQA group (Qwen3-30B-A3B: 8 q heads per kv head),
   so each K/V tile is read from memory once per group rather than once per query head, and the
   group's scores come from one tl.dot.
@@ -28,12 +33,11 @@ from .arrivals import arrival_counters
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
-# Keys per partition: a compromise measured on an H200 at the 30B shape (bf16, graph replay).
-# Smaller partitions give B=1 more programs (128: 9.6 us at 1k context against 11.7 us for 256);
-# larger ones waste less on the programs that exit at once when the table is padded far past the
-# contexts, as a CUDA graph captured for max_model_len pads it (B=64, 1k contexts, a 32k-wide table:
-# 92 us at 128, 70 at 256, 58 at 512, against 55 with an exact table) and cost B=1 more (512: 16.8 us).
-PARTITION_SIZE = 256
+# Programs one launch aims for (about 8 per SM of an H200): B x kv heads x splits, splits at most
+# MAX_SPLITS (the last program merges them one by one). At the 30B shape (4 kv heads): 16 splits
+# up to B=16, 4 at B=64, 1 from B=256 on.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 16
 MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
 
 
@@ -65,27 +69,28 @@ def _partition_kernel(
     stride_ks, stride_kh,
     stride_vs, stride_vh,
     stride_tb,
-    num_parts,  # not constexpr: the table's width changes every few steps in eager decode
+    table_len,  # keys the block table can name: a longer context is read no further (as the reference)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    ctx = tl.load(lens_ptr + seq)
-    start = part * PARTITION
+    splits = tl.num_programs(2)
+    ctx = tl.minimum(tl.load(lens_ptr + seq), table_len)
+    chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N  # whole key tiles; 0 for an empty context
+    start = part * chunk
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     q_heads = kv_head * GROUP + g
     store = g < GROUP
     out_rows = out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + d[None, :]
-    if (ctx == 0) & (part == 0):  # an empty context has no partition to merge: its output is 0
+    if (ctx == 0) & (part == 0):  # an empty context has no split to merge: its output is 0
         tl.store(out_rows, tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty),
                  mask=store[:, None])
     if start >= ctx:
-        return  # only the partitions a context reaches check in
+        return  # only the splits a context reaches check in
 
     # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
@@ -94,7 +99,7 @@ def _partition_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    end = tl.minimum(start + PARTITION, ctx)
+    end = tl.minimum(start + chunk, ctx)
     offs = tl.arange(0, BLOCK_N)
     # Every tile visited holds at least one key of the context, so m_i is finite after the first.
     for tile in range(start, end, BLOCK_N):
@@ -116,13 +121,11 @@ def _partition_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # A context longer than its table reaches no further than the grid (a bad input must not leave
-    # a counter short of its count for the next launch).
-    used = tl.minimum(tl.cdiv(ctx, PARTITION), num_parts)
-    if used == 1:  # the whole context was this program's: no partition to merge with
+    used = tl.cdiv(ctx, chunk)  # at most `splits`: the programs that check in
+    if used == 1:  # the whole context was this program's: no split to merge with
         tl.store(out_rows, (acc / tl.maximum(l_i, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=store[:, None])
         return
-    rows = (seq * tl.num_programs(1) * GROUP + q_heads).to(tl.int64) * num_parts
+    rows = (seq * tl.num_programs(1) * GROUP + q_heads).to(tl.int64) * splits
     tl.store(m_ptr + rows + part, m_i, mask=store)
     tl.store(l_ptr + rows + part, l_i, mask=store)
     tl.store(acc_ptr + (rows + part)[:, None] * HEAD_DIM + d[None, :], acc, mask=store[:, None])
@@ -141,7 +144,7 @@ def _partition_kernel(
             a = tl.load(acc_ptr + (rows + j)[:, None] * HEAD_DIM + d[None, :], mask=store[:, None], other=0.0,
                         cache_modifier=".cg")
             m_new = tl.maximum(m_run, m)
-            w = tl.exp2(m - m_new)  # this partition's log-sum-exp weight against the running max
+            w = tl.exp2(m - m_new)  # this split's log-sum-exp weight against the running max
             scale_old = tl.exp2(m_run - m_new)
             l_run = l_run * scale_old + w * l
             out = out * scale_old[:, None] + w[:, None] * a
@@ -162,16 +165,22 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, block_size):
         raise ValueError("block_tables must be [B, max_blocks] and context_lens [B]")
 
 
-def _tile_config(head_dim: int, block_size: int, partition_size: int) -> tuple[int, int, int]:
-    """(keys per tile, warps, pipeline stages). A tile spans whole blocks and never crosses a partition.
+def _tile_config(head_dim: int, block_size: int) -> tuple[int, int, int]:
+    """(keys per tile, warps, pipeline stages). A tile spans whole blocks.
 
     128 keys (8 blocks of 16), 4 warps, 2 stages were the best or within 3% of it at head_dim 128 in
     a sweep of tiles 32/64/128, 4/8 warps and 2/3 stages over B 1..64 and contexts 1k..4k on an H200.
     """
-    return min(partition_size, max(block_size, 128)), 4, 2
+    return max(block_size, 128), 4, 2
 
 
-def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, partition_size):
+def num_splits(batch: int, kv_heads: int, table_len: int, tile: int) -> int:
+    """Splits per (sequence, kv head): TARGET_PROGRAMS programs in all, at most MAX_SPLITS, and no
+    more than the table has key tiles."""
+    return max(1, min(TARGET_PROGRAMS // max(1, batch * kv_heads), MAX_SPLITS, triton.cdiv(table_len, tile)))
+
+
+def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, tile):
     _check(q, k_cache, v_cache, block_tables, context_lens, block_size)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -180,30 +189,32 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         q = q.contiguous()  # small; the caches are never copied
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("the head dimension of the caches must be contiguous")
-    max_ctx = block_tables.shape[1] * block_size
-    num_parts = max(1, triton.cdiv(max_ctx, partition_size))
-    block_n, num_warps, num_stages = _tile_config(D, block_size, partition_size)
-    if partition_size % block_n:
-        raise ValueError(f"partition_size {partition_size} must be a multiple of the tile {block_n}")
+    block_n, num_warps, num_stages = _tile_config(D, block_size)
+    if tile:
+        if tile % block_size or tile & (tile - 1):
+            raise ValueError(f"tile {tile} must be a power of two and a multiple of block_size {block_size}")
+        block_n = tile
+    table_len = block_tables.shape[1] * block_size
+    splits = num_splits(B, Hkv, table_len, block_n)
     out = torch.empty_like(q)
-    m = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
+    m = torch.empty(B, Hq, splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    acc = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
+    acc = torch.empty(B, Hq, splits, D, device=q.device, dtype=torch.float32)
     if B == 0:
         return out
     if B * Hkv > MAX_GROUPS:
         raise ValueError(f"{B} sequences x {Hkv} kv heads: more than the {MAX_GROUPS} groups one launch merges")
-    _partition_kernel[(B, Hkv, num_parts)](
+    _partition_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, m, l, acc,
         arrival_counters("paged_decode_attention", q.device, MAX_GROUPS), out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0),
-        num_parts,
+        table_len,
         scale * 1.4426950408889634,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION=partition_size,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -213,22 +224,22 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
 @torch.library.custom_op("zipmoe::paged_decode_attention", mutates_args=())
 def _paged_decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                               scale: float, partition_size: int = PARTITION_SIZE) -> torch.Tensor:
-    return _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, partition_size)
+                               scale: float, tile: int = 0) -> torch.Tensor:
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, tile)
 
 
 @_paged_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, partition_size=PARTITION_SIZE):
+def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, tile=0):
     return torch.empty_like(q)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float, partition_size: int = PARTITION_SIZE) -> torch.Tensor:
+                           scale: float, tile: int = 0) -> torch.Tensor:
     """Same contract as the reference; block_tables and context_lens are int32 on q's device.
 
-    partition_size (a multiple of the key tile) only changes how the work is split; tests lower it
-    to exercise the merge on short contexts.
+    tile (keys per tile, a power of two and a multiple of block_size; 0: the tuned size) only
+    changes how the work is cut; tests lower it to split short contexts and exercise the merge.
     """
     return torch.ops.zipmoe.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                                   block_size, scale, partition_size)
+                                                   block_size, scale, tile)

@@ -45,22 +45,21 @@ def make_case(lens: list[int], kv_heads: int, group: int, head_dim: int, dtype=t
 
 
 # Lengths: one token, empty, mid-block, exactly one block, several blocks ending mid-block, and one
-# long enough for several key tiles per partition (and, at small partition sizes, > 16 partitions,
-# which the merge takes in more than one chunk).
+# long enough for several key tiles per split.
 LENS = [1, 0, 7, BLOCK, 3 * BLOCK + 5, 18 * BLOCK + 2]
 
 
-@pytest.mark.parametrize("head_dim,kv_heads,group,partition", [
-    (16, 2, 1, 256),
-    (16, 2, 2, 32),  # several partitions per context
-    (16, 1, 8, 16),  # 20 partitions: two merge chunks
+@pytest.mark.parametrize("head_dim,kv_heads,group,tile", [
+    (16, 2, 1, 0),  # the tuned tile (128 keys): 3 splits of the table's 320 keys, all 3 used by the longest
+    (16, 2, 2, 32),  # 10 splits of one tile each for the longest context, 2 for the 53-key one
+    (16, 1, 8, 16),  # 16 splits (MAX_SPLITS): the longest context in 10 chunks of 2 tiles
     (128, 1, 8, 64),
-    (128, 2, 2, 256),
+    (128, 2, 2, 0),
 ])
-def test_paged_decode_attention_matches_reference(head_dim, kv_heads, group, partition):
+def test_paged_decode_attention_matches_reference(head_dim, kv_heads, group, tile):
     q, k, v, tables, lens = make_case(LENS, kv_heads, group, head_dim)
     scale = 4 * head_dim ** -0.5  # peaked softmax: a stale running max would show
-    out = paged_decode_attention(q, k, v, tables, lens, BLOCK, scale, partition)
+    out = paged_decode_attention(q, k, v, tables, lens, BLOCK, scale, tile)
     ref = paged_decode_attention_reference(q, k, v, tables, lens, BLOCK, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
@@ -69,8 +68,8 @@ def test_paged_decode_attention_matches_reference(head_dim, kv_heads, group, par
 
 
 def test_paged_decode_attention_rescales_when_later_keys_dominate():
-    """Scores that grow along the context: every later tile, partition and merge chunk raises the
-    running max, so a missed rescale anywhere shows (random scores rarely exercise it)."""
+    """Scores that grow along the context: every later tile and split raises the running max, so a
+    missed rescale anywhere shows (random scores rarely exercise it)."""
     lens = [20 * BLOCK + 3, 9]
     q, k, v, tables, ctx = make_case(lens, 1, 4, 16)
     q = q.abs() + 1.0
@@ -78,8 +77,20 @@ def test_paged_decode_attention_rescales_when_later_keys_dominate():
         pos = torch.arange(n)
         slots = tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
         k[slots] = (pos.float() / n * 2.0)[:, None, None] * torch.ones(16)
-    for partition in (16, 256):
-        out = paged_decode_attention(q, k, v, tables, ctx, BLOCK, 0.5, partition)
+    for tile in (16, 0):
+        out = paged_decode_attention(q, k, v, tables, ctx, BLOCK, 0.5, tile)
+        torch.testing.assert_close(out, paged_decode_attention_reference(q, k, v, tables, ctx, BLOCK, 0.5),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_context_longer_than_its_table_is_read_as_far_as_the_table():
+    """A bad context length (past what its table names) reads the table's keys, as the reference
+    does, and leaves the arrival counters at zero: the launch after it is still right."""
+    q, k, v, tables, lens = make_case([3 * BLOCK + 5, 9], 1, 2, 16)
+    long = lens.clone()
+    long[0] = 100 * BLOCK
+    for ctx in (long, lens):
+        out = paged_decode_attention(q, k, v, tables, ctx, BLOCK, 0.5, 16)
         torch.testing.assert_close(out, paged_decode_attention_reference(q, k, v, tables, ctx, BLOCK, 0.5),
                                    rtol=1e-5, atol=1e-5)
 
