@@ -1,7 +1,7 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,router,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,out_proj,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
@@ -9,6 +9,8 @@ Every time is read against the device-copy bandwidth measured in the same run. P
   vs the reference's device ops (all in a graph).
 - router: the router's GEMM and top-K in one launch (`layer_ops.router`) vs cuBLAS's GEMM then
   `topk_softmax` (the engine's two launches until session 17), 48 layers' gates in a graph, per layer.
+- out_proj: the attention's output projection, residual add and RMSNorm in one launch
+  (`out_proj_norm`) vs cuBLAS's GEMM then `add_rms_norm` (until session 18), the same way.
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
@@ -33,7 +35,8 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels.layer_ops import router, topk_softmax
+from zipmoe.kernels.layer_ops import add_rms_norm, router, topk_softmax
+from zipmoe.kernels.out_proj_norm import out_proj_add_rms_norm
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 from zipmoe.checkpoint import TextConfig
@@ -105,6 +108,30 @@ def bench_router(batches=(1, 16, 64, 128)) -> list[dict]:
         for impl, fn in (("triton", one_launch), ("cublas+topk_softmax", two_launches)):
             us = graph_time_us(lambda: [fn(x, gate) for gate in gates], calls=1, flush_l2=True) / len(gates)
             rows.append(row("router", impl, B, us, E * H * 2 + B * H * 2))
+            print_row(rows[-1])
+    return rows
+
+
+def bench_out_proj(batches=(1, 4, 16)) -> list[dict]:
+    """Per layer: 48 layers' o projections (805 MB, each read once a replay, L2 flushed before it),
+    the projection + residual add + RMSNorm in one launch against cuBLAS's GEMM then `add_rms_norm`."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, K = CFG.hidden_size, CFG.num_heads * CFG.head_dim
+    weights = [torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+               for _ in range(CFG.num_layers)]
+    norm = torch.ones(N, device="cuda", dtype=torch.bfloat16)
+
+    def separate(h, attn, w):
+        return add_rms_norm(h, torch.nn.functional.linear(attn, w), norm, 1e-6)
+
+    rows = []
+    for B in batches:
+        h = torch.randn(B, N, generator=g, device="cuda", dtype=torch.bfloat16)
+        attn = torch.randn(B, K, generator=g, device="cuda", dtype=torch.bfloat16)
+        for impl, fn in (("triton", lambda h, a, w: out_proj_add_rms_norm(h, a, w, norm, 1e-6)),
+                         ("cublas+add_rms_norm", separate)):
+            us = graph_time_us(lambda: [fn(h, attn, w) for w in weights], calls=1, flush_l2=True) / len(weights)
+            rows.append(row("out_proj", impl, B, us, N * K * 2 + B * (K + 4 * N) * 2))
             print_row(rows[-1])
     return rows
 
@@ -250,7 +277,7 @@ def plot(result: dict, out: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/kernels_h200")
-    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,importance,paged")
+    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,out_proj,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -285,6 +312,8 @@ def main(argv=None) -> int:
             save(bench_sere())
         if "router" in parts:
             save(bench_router())
+        if "out_proj" in parts:
+            save(bench_out_proj())
         if "importance" in parts:
             from .bench_importance import bench_importance
             save(bench_importance("cuda"))

@@ -23,6 +23,7 @@ from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
+from ..kernels.out_proj_norm import out_proj_add_rms_norm, out_proj_add_rms_norm_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from .routing import RoutingPolicy
 from .rope import MRope
@@ -30,10 +31,13 @@ from .rope import MRope
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
 # `experts` may leave a MoE layer's K slot outputs unsummed ([T, K, H], the kernels): add_rms_norm
 # sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
+# The attention's output projection comes with the residual add and the MoE's input norm.
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
+                          out_proj_add_rms_norm=out_proj_add_rms_norm,
                           qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, router=layer_ops.router,
                           experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
+                            out_proj_add_rms_norm=out_proj_add_rms_norm_reference,
                             qk_norm_rope_cache=layer_ops.qk_norm_rope_cache_reference,
                             router=layer_ops.router_reference, experts=fused_experts_reference,
                             decode_attention=paged_decode_attention_reference)
@@ -155,7 +159,8 @@ class Qwen3VLMoeTextDecoder:
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for layer, nxt in zip(self.layers, self.layers[1:] + [None]):
-            h, x = ops.add_rms_norm(h, self._attention(layer, x, cos, sin, step, kv), layer.post_norm, eps)
+            h, x = ops.out_proj_add_rms_norm(h, self._attention(layer, x, cos, sin, step, kv), layer.o,
+                                             layer.post_norm, eps)
             out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
             inject = step.deepstack is not None and layer.idx < step.deepstack.shape[0]
             if nxt is not None and not inject:
@@ -171,6 +176,7 @@ class Qwen3VLMoeTextDecoder:
         return StepOutput(F.linear(h, self.lm_head).float(), routing)
 
     def _attention(self, layer: Layer, x, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
+        """The heads' outputs [T, heads * head_dim], before the output projection."""
         cfg = self.cfg
         T = x.shape[0]
         # Normed, rotated q; k and v go straight into the cache.
@@ -181,7 +187,7 @@ class Qwen3VLMoeTextDecoder:
         if not step.is_prefill:
             out = self.ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                             kv.block_size, self.scale)
-            return F.linear(out.reshape(T, -1), layer.o)
+            return out.reshape(T, -1)
         out = torch.empty_like(q)
         for chunk in step.chunks:
             # [1, heads, n, d] against the whole context so far, gathered from the cache.
@@ -198,7 +204,7 @@ class Qwen3VLMoeTextDecoder:
         if step.decode_rows is not None:
             out[step.decode_rows] = self.ops.decode_attention(q[step.decode_rows], k_cache, v_cache, step.block_tables,
                                                               step.context_lens, kv.block_size, self.scale)
-        return F.linear(out.reshape(T, -1), layer.o)
+        return out.reshape(T, -1)
 
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs,
              routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
