@@ -284,13 +284,13 @@ def router_split(T: int, H: int, E: int) -> int:
 @triton.jit
 def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E, H_PER_SPLIT,
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                   MAX_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     # Program (tile, expert block, split) sums BLOCK_T x BLOCK_E logits over its H_PER_SPLIT hidden
     # columns in float32; the last program of a token tile to check in (`kernels/arrivals.py`) sums
     # the splits, rounds to x's dtype as F.linear rounds its logits, and does topk_softmax's work
     # on them. One launch, where the GEMM and the top-K were two.
-    tile, eb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tile, eb, split, split_count = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
     rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -311,10 +311,12 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
         e = tl.arange(0, E_PAD)
         ok = (rows[:, None] < T) & (e[None, :] < E)
         logit = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):  # unrolled: the loads are independent, so all can be in flight
+        # Unrolled to MAX_SPLIT (the split count a runtime value: no compile per batch size), the
+        # splits past this launch's masked off; the loads are independent, so all can be in flight.
+        for s in tl.static_range(MAX_SPLIT):
             # .cg: read from L2, where the other programs' partials are, never from this SM's L1.
-            logit += tl.load(partial_ptr + (s * T + rows[:, None]) * E + e[None, :], mask=ok, other=0.0,
-                             cache_modifier=".cg")
+            logit += tl.load(partial_ptr + (s * T + rows[:, None]) * E + e[None, :], mask=ok & (s < split_count),
+                             other=0.0, cache_modifier=".cg")
         logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
 
@@ -339,7 +341,7 @@ def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
         h_per_split = triton.cdiv(triton.cdiv(H, split), ROUTER_BLOCK_H) * ROUTER_BLOCK_H
         _router_kernel[grid](x.contiguous(), gate.contiguous(), partial, arrivals, probs, ids, weights, T, H, E,
                              h_per_split, K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
-                             NORMALIZE=normalize, SPLIT=split, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E,
+                             NORMALIZE=normalize, MAX_SPLIT=ROUTER_MAX_SPLIT, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E,
                              BLOCK_H=ROUTER_BLOCK_H,
                              # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
                              DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)

@@ -17,6 +17,8 @@ Why it is shaped this way:
   partitions over them launched thousands of programs that only returned (an H200 sweep at the
   30B shape, partitions of 256 keys, B=64 with 1k contexts: 70 us in a 32k-wide table against 55 us
   in an exact one).
+- The split count depends on the batch shape, so a sequence's output can differ in the last bits
+  with its batch (as the GEMMs' do, whose kernels cuBLAS picks by shape).
 - The splits' (max, sum, acc) are merged with log-sum-exp weights by the last program of their
   (sequence, kv head) to finish (`kernels/arrivals.py`), not by a second kernel; a context that
   one split holds whole is written out by its only program directly.
@@ -191,8 +193,9 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         raise ValueError("the head dimension of the caches must be contiguous")
     block_n, num_warps, num_stages = _tile_config(D, block_size)
     if tile:
-        if tile % block_size or tile & (tile - 1):
-            raise ValueError(f"tile {tile} must be a power of two and a multiple of block_size {block_size}")
+        if tile % block_size or tile & (tile - 1) or tile < 16:
+            raise ValueError(f"tile {tile} must be a power of two, at least 16 (tl.dot's smallest) and a multiple "
+                             f"of block_size {block_size}")
         block_n = tile
     table_len = block_tables.shape[1] * block_size
     splits = num_splits(B, Hkv, table_len, block_n)

@@ -21,7 +21,7 @@ def _case(device, T, N, K, seed=0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,N,K", [(1, 64, 96), (5, 48, 300), (OUT_MAX_T, 80, 64), (OUT_MAX_T + 3, 64, 96)])
+@pytest.mark.parametrize("T,N,K", [(1, 50, 96), (5, 48, 300), (OUT_MAX_T, 80, 64), (OUT_MAX_T + 3, 64, 96)])
 def test_out_proj_add_rms_norm_matches_reference(device, T, N, K):
     """One token, columns and input width not multiples of the tiles, rows in several norm chunks,
     and the cuBLAS path past OUT_MAX_T; twice in a row: the arrival counter must be back at zero."""

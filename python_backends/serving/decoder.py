@@ -213,6 +213,7 @@ class DecoderService:
         a row), until a request arrives, which the step that follows admits, or the service stops.
         The step in flight (async scheduling) finishes during the turn: its tokens go out first."""
         if self._gpu_turn.held():
+            self._drop_cancelled()  # first, as before a step: a stopped request gets no more tokens
             self._emit(self.engine.read_back())
             if not self.engine.has_work:  # those were the last tokens: nothing to hold back
                 return
