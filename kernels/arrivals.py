@@ -1,8 +1,8 @@
 """Counters for kernels that finish their work in the last program to arrive.
 
-A kernel split over programs that each compute a share (expert blocks of the router's logits,
-partitions of a decode context) needs one more step over all the shares (the top-K, the
-log-sum-exp merge). Instead of a second launch, each program stores its share and checks in with
+A kernel split over programs that each compute a share (blocks of the router's logits, splits of
+a decode context, columns of the attention's output projection) needs one more step over all the
+shares (the top-K, the log-sum-exp merge, the residual add and RMSNorm of whole rows). Instead of a second launch, each program stores its share and checks in with
 one atomic add on its group's counter, after a barrier (the atomic is one thread's: the barrier
 puts every thread's stores before it); the program that sees the count reach the group's size
 holds every share (the atomic's acquire-release ordering at GPU scope makes the others' stores
