@@ -238,7 +238,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, default in (("--period", 2.0), ("--duration", 30.0), ("--mixed-keep", 0.6), ("--ready-timeout", 1800)):
         p.add_argument(flag, type=float, default=default, help=f"(default {default})")
     p.add_argument("--channel", choices=("persistent", "per-request"), default="persistent",
-                   help="ttft_30img and tpot_c1: one gRPC channel for all requests, or one per request")
+                   help="ttft_30img and tpot_c1: one gRPC channel for all requests, or one per request; "
+                        "mixed: one per arrival process, opened before the window, or one per arrival")
     p.add_argument("--trace", type=Path, metavar="PREFIX",
                    help="Triton's trace files: the server started traces every request into PREFIX.N (with --url, "
                         "start it with trace_timeline.server_args(PREFIX)); ttft_30img and image_decode rows gain timeline_ms")
