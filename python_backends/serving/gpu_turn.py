@@ -20,8 +20,9 @@ row, so back-to-back turns still leave the streams a step between them. With asy
 step is already on the GPU when the wait starts: the decoder reads it back and sends its tokens
 before it sleeps (`held()`), so a stream pauses once per image request, from its last token before
 the turn to the prompt step's. (Sent after the wait, with the prompt step launched, those tokens
-split the pause in two long gaps: session 18's `mixed` run, docs/PERFORMANCE.md.) A batch without images (text-only requests pass through vision_encoder in mm_qa) takes
-no turn. Devices other than CUDA take no turns: `turn_path` is None for them.
+split the pause in two long gaps: session 18's `mixed` run, docs/PERFORMANCE.md.) A batch without
+images (text-only requests pass through vision_encoder in mm_qa) takes no turn. Devices other than
+CUDA take no turns: `turn_path` is None for them.
 """
 from __future__ import annotations
 
