@@ -3,7 +3,9 @@
     python -m zipmoe.kernels.benchmarks.bench_paged_attention
 
 One layer's decode attention (32 q heads, 4 kv heads, head_dim 128, bf16, block size 16) for
-batch 1, 16, 64 at context 1024 and 4096, each sequence on its own shuffled blocks. Both paths
+batch 1, 16, 64 at context 256, 1024 and 4096, each sequence on its own shuffled blocks; and the
+kernel again at context 1024 with each block table padded to 32k keys, as a CUDA graph captured for
+max_model_len 32768 pads it (rows with `table_keys`). Both paths
 get what the runner builds once per step (block tables and lengths for the kernel; gather slots and
 the mask for SDPA), so each time is the per-layer cost. Each path is captured in a CUDA graph and
 timed by replay, as the engine runs decode; the L2 cache is flushed before every timed replay, as 48
@@ -21,10 +23,12 @@ from .timing import graph_time_us
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 BATCHES = (1, 16, 64)
-CONTEXTS = (1024, 4096)
+CONTEXTS = (256, 1024, 4096)
+PADDED_TABLE_KEYS = 32768  # the served graphs' table width at max_model_len 32768
 
 
-def _case(batch: int, context: int, device: torch.device, seed: int = 0):
+def _case(batch: int, context: int, device: torch.device, seed: int = 0, table_keys: int = 0):
+    """q, the caches, block tables (padded with block 0 up to table_keys, when given) and lengths."""
     g = torch.Generator(device=device).manual_seed(seed)
     per_seq = context // BLOCK_SIZE
     num_blocks = batch * per_seq
@@ -32,6 +36,8 @@ def _case(batch: int, context: int, device: torch.device, seed: int = 0):
     v = torch.randn_like(k)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, generator=g, dtype=torch.bfloat16)
     tables = torch.randperm(num_blocks, device=device, generator=g).view(batch, per_seq).to(torch.int32)
+    if table_keys > context:
+        tables = F.pad(tables, (0, table_keys // BLOCK_SIZE - per_seq))
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return q, k, v, tables, lens
 
@@ -64,6 +70,14 @@ def bench_paged_attention(device) -> list[dict]:
                              "gbps": bytes_read / (us * 1e-6) / 1e9})
             del q, k, v, tables, lens, gather, mask
             torch.cuda.empty_cache()
+    for batch in BATCHES:
+        q, k, v, tables, lens = _case(batch, 1024, device, table_keys=PADDED_TABLE_KEYS)
+        us = graph_time_us(lambda: paged_decode_attention(q, k, v, tables, lens, BLOCK_SIZE, scale), calls=1, reps=30,
+                           flush_l2=True)
+        bytes_read = 2 * batch * 1024 * KV_HEADS * HEAD_DIM * k.element_size()
+        rows.append({"bench": "paged_attention", "impl": "triton", "batch": batch, "policy": "", "union": 0.0,
+                     "context": 1024, "table_keys": PADDED_TABLE_KEYS, "time_us": us, "bytes_read": bytes_read,
+                     "gbps": bytes_read / (us * 1e-6) / 1e9})
     return rows
 
 
@@ -72,10 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     rows = bench_paged_attention(args.device)
-    print(f"{'impl':12s} {'batch':>5s} {'context':>7s} {'time_us':>9s} {'MB read':>8s} {'GB/s':>7s}")
+    print(f"{'impl':12s} {'batch':>5s} {'context':>7s} {'table':>7s} {'time_us':>9s} {'MB read':>8s} {'GB/s':>7s}")
     for r in rows:
-        print(f"{r['impl']:12s} {r['batch']:5d} {r['context']:7d} {r['time_us']:9.1f} "
-              f"{r['bytes_read'] / 1e6:8.1f} {r['gbps']:7.0f}")
+        print(f"{r['impl']:12s} {r['batch']:5d} {r['context']:7d} {r.get('table_keys', r['context']):7d} "
+              f"{r['time_us']:9.1f} {r['bytes_read'] / 1e6:8.1f} {r['gbps']:7.0f}")
     return 0
 
 
