@@ -1,7 +1,7 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,router,out_proj,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,out_proj,qkv,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
@@ -11,6 +11,8 @@ Every time is read against the device-copy bandwidth measured in the same run. P
   `topk_softmax` (the engine's two launches until session 17), 48 layers' gates in a graph, per layer.
 - out_proj: the attention's output projection, residual add and RMSNorm in one launch
   (`out_proj_norm`) vs cuBLAS's GEMM then `add_rms_norm` (until session 18), the same way.
+- qkv: the q/k/v projection, q/k norm, RoPE and cache write in one launch (`qkv_norm_rope`) vs
+  cuBLAS's GEMM then `qk_norm_rope_cache` (until session 18), the same way.
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
@@ -35,8 +37,9 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels.layer_ops import add_rms_norm, router, topk_softmax
+from zipmoe.kernels.layer_ops import add_rms_norm, qk_norm_rope_cache, router, topk_softmax
 from zipmoe.kernels.out_proj_norm import out_proj_add_rms_norm
+from zipmoe.kernels.qkv_norm_rope import qkv_norm_rope_cache
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 from zipmoe.checkpoint import TextConfig
@@ -132,6 +135,32 @@ def bench_out_proj(batches=(1, 4, 16)) -> list[dict]:
                          ("cublas+add_rms_norm", separate)):
             us = graph_time_us(lambda: [fn(h, attn, w) for w in weights], calls=1, flush_l2=True) / len(weights)
             rows.append(row("out_proj", impl, B, us, N * K * 2 + B * (K + 4 * N) * 2))
+            print_row(rows[-1])
+    return rows
+
+
+def bench_qkv(batches=(1, 4, 16)) -> list[dict]:
+    """Per layer: 48 layers' q/k/v projections (1 GB, each read once a replay, L2 flushed before
+    it), projection + q/k norm + RoPE + cache write in one launch against cuBLAS's GEMM then
+    `qk_norm_rope_cache`."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, D, hq, hkv = CFG.hidden_size, CFG.head_dim, CFG.num_heads, CFG.num_kv_heads
+    weights = [torch.randn((hq + 2 * hkv) * D, H, generator=g, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+               for _ in range(CFG.num_layers)]
+    norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.zeros(1024, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    rows = []
+    for B in batches:
+        x = torch.randn(B, H, generator=g, device="cuda", dtype=torch.bfloat16)
+        cos, sin = (torch.rand(B, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.arange(B, device="cuda")
+        args = (norm, norm, cos, sin, k_cache, v_cache, slots, 1e-6, hq, hkv)
+        for impl, fn in (("triton", lambda w: qkv_norm_rope_cache(x, w, *args)),
+                         ("cublas+qk_norm_rope_cache",
+                          lambda w: qk_norm_rope_cache(torch.nn.functional.linear(x, w), *args))):
+            us = graph_time_us(lambda: [fn(w) for w in weights], calls=1, flush_l2=True) / len(weights)
+            rows.append(row("qkv", impl, B, us, weights[0].numel() * 2 + B * H * 2))
             print_row(rows[-1])
     return rows
 
@@ -277,7 +306,7 @@ def plot(result: dict, out: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/kernels_h200")
-    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,out_proj,importance,paged")
+    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,out_proj,qkv,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -314,6 +343,8 @@ def main(argv=None) -> int:
             save(bench_router())
         if "out_proj" in parts:
             save(bench_out_proj())
+        if "qkv" in parts:
+            save(bench_qkv())
         if "importance" in parts:
             from .bench_importance import bench_importance
             save(bench_importance("cuda"))

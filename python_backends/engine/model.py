@@ -25,20 +25,22 @@ from ..kernels import layer_ops
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.out_proj_norm import out_proj_add_rms_norm, out_proj_add_rms_norm_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from ..kernels.qkv_norm_rope import qkv_norm_rope_cache, qkv_norm_rope_cache_reference
 from .routing import RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
 # `experts` may leave a MoE layer's K slot outputs unsummed ([T, K, H], the kernels): add_rms_norm
 # sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
-# The attention's output projection comes with the residual add and the MoE's input norm.
+# The attention's input projection comes with its q/k norms, RoPE and cache writes, its output
+# projection with the residual add and the MoE's input norm.
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           out_proj_add_rms_norm=out_proj_add_rms_norm,
-                          qk_norm_rope_cache=layer_ops.qk_norm_rope_cache, router=layer_ops.router,
+                          qkv_norm_rope_cache=qkv_norm_rope_cache, router=layer_ops.router,
                           experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             out_proj_add_rms_norm=out_proj_add_rms_norm_reference,
-                            qk_norm_rope_cache=layer_ops.qk_norm_rope_cache_reference,
+                            qkv_norm_rope_cache=qkv_norm_rope_cache_reference,
                             router=layer_ops.router_reference, experts=fused_experts_reference,
                             decode_attention=paged_decode_attention_reference)
 
@@ -180,9 +182,9 @@ class Qwen3VLMoeTextDecoder:
         cfg = self.cfg
         T = x.shape[0]
         # Normed, rotated q; k and v go straight into the cache.
-        q = self.ops.qk_norm_rope_cache(F.linear(x, layer.qkv), layer.q_norm, layer.k_norm, cos, sin,
-                                        kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
-                                        cfg.num_heads, cfg.num_kv_heads)
+        q = self.ops.qkv_norm_rope_cache(x, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
+                                         kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
+                                         cfg.num_heads, cfg.num_kv_heads)
         k_cache, v_cache = kv.k[layer.idx], kv.v[layer.idx]
         if not step.is_prefill:
             out = self.ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,

@@ -1,0 +1,138 @@
+"""The attention's q/k/v projection with the per-head q/k RMSNorm, the rotary embedding and the
+K/V cache write in one launch, beside its PyTorch reference.
+
+At decode batch sizes the projection is a GEMV over a 5120 x 2048 bf16 weight at Qwen3-30B-A3B's
+shape (21 MB, 5.0 us at an H200's copy speed). cuBLAS ran it in 7.7 us a layer at batch 1 (session
+18's profile) and `layer_ops.qk_norm_rope_cache` took a second launch (1.4 us). Here a program per
+(head, split of the input width) sums its share of one head's 128 output columns in float32; the
+last program of the head to check in (`kernels/arrivals.py`) adds the splits up, rounds them to the
+model dtype as F.linear rounds its output, and does `qk_norm_rope_cache`'s work on the head: q
+normed and rotated into the output, k normed and rotated into the cache, v copied into it. One
+launch where there were two, at most QKV_MAX_T tokens (a decode step); above that cuBLAS's GEMM and
+`qk_norm_rope_cache`.
+
+Called by `engine/model.py` at the start of each layer's attention (`ops.qkv_norm_rope_cache`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .arrivals import arrival_counters
+from .layer_ops import qk_norm_rope_cache, qk_norm_rope_cache_reference
+
+import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
+import triton.language as tl
+
+QKV_BLOCK_T = 16  # token rows of a program's tile (tl.dot's smallest); also the most it serves
+QKV_MAX_T = QKV_BLOCK_T
+QKV_BLOCK_K = 128  # input columns per loop iteration
+QKV_MAX_SPLIT = 8  # splits of the input width per head: 40 heads x 8 = 320 programs at the 30B shape
+QKV_MAX_HEADS = 1024  # q + k + v heads one launch serves: one arrival counter each
+
+
+def qkv_norm_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """x [T, hidden], weight [(Hq + 2 Hkv) * D, hidden] -> `qk_norm_rope_cache_reference` of x @ weight.T."""
+    return qk_norm_rope_cache_reference(F.linear(x, weight), q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
+                                        num_heads, num_kv_heads)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+                          slots_ptr, q_out_ptr, T, K, K_PER_SPLIT, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                          D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    head, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    NCOLS: tl.constexpr = (HQ + 2 * HKV) * D
+    HALF: tl.constexpr = D // 2
+    rows = tl.arange(0, BLOCK_T).to(tl.int64)
+    d = tl.arange(0, D)
+    cols = head * D + d
+    acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+    for k0 in range(split * K_PER_SPLIT, tl.minimum((split + 1) * K_PER_SPLIT, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K), other=0.0)
+        ws = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < K, other=0.0)
+        acc += tl.dot(xs, tl.trans(ws), input_precision=DOT_PRECISION)
+    row_ok = rows[:, None] < T
+    tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
+    # Every thread's stores done (the barrier), then one release-acquire check-in.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel", scope="gpu") == split_count - 1:
+        tl.store(arrivals_ptr + head, 0)  # zero again for the next launch (and graph replay)
+        # The head's columns, and the same columns rotated by half (the rotate-half partner), summed
+        # over the splits; loads past this launch's splits masked off, all independent.
+        partner = head * D + (d + HALF) % D
+        x32 = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+        p32 = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+        for s in tl.static_range(MAX_SPLIT):
+            at = partial_ptr + (s * T + rows[:, None]) * NCOLS
+            ok = row_ok & (s < split_count)
+            # .cg: the other programs' partials are in L2, never in this SM's L1.
+            x32 += tl.load(at + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            p32 += tl.load(at + partner[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        dtype = q_out_ptr.dtype.element_ty
+        x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
+        slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
+        if head >= HQ + HKV:  # v: copied into the cache as is
+            tl.store(vc_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :], x, mask=row_ok)
+        else:
+            if head < HQ:
+                w = tl.load(qn_ptr + d).to(tl.float32)
+                w_partner = tl.load(qn_ptr + (d + HALF) % D).to(tl.float32)
+            else:
+                w = tl.load(kn_ptr + d).to(tl.float32)
+                w_partner = tl.load(kn_ptr + (d + HALF) % D).to(tl.float32)
+            xr = x.to(tl.float32)
+            pr = p32.to(dtype).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xr * xr, axis=1) / D + eps)[:, None]
+            # Round where PyTorch rounds, as qk_norm_rope_cache does: normalise (f32) -> dtype,
+            # * weight -> dtype, then the rotation.
+            xn = (w[None, :] * (xr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            pn = (w_partner[None, :] * (pr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            rotated = tl.where(d[None, :] < HALF, -pn, pn)
+            cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+            out = ((xn * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+            if head < HQ:
+                tl.store(q_out_ptr + (rows[:, None] * HQ + head) * D + d[None, :], out, mask=row_ok)
+            else:
+                tl.store(kc_ptr + (slot[:, None] * HKV + head - HQ) * D + d[None, :], out, mask=row_ok)
+
+
+@torch.library.custom_op("zipmoe::qkv_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Same contract as `qkv_norm_rope_cache_reference`; one launch up to QKV_MAX_T tokens."""
+    T, K = x.shape
+    D = q_norm.shape[0]
+    heads = num_heads + 2 * num_kv_heads
+    if T > QKV_MAX_T:
+        return qk_norm_rope_cache(F.linear(x, weight), q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
+                                  num_heads, num_kv_heads)
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim {D} must be a power of two, at least 16")
+    if heads > QKV_MAX_HEADS or weight.shape[0] != heads * D:
+        raise ValueError(f"weight {tuple(weight.shape)}: not {heads} heads of {D} (at most {QKV_MAX_HEADS} heads)")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    q = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
+    if T:
+        split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(K, QKV_BLOCK_K)))
+        k_per_split = triton.cdiv(triton.cdiv(K, split), QKV_BLOCK_K) * QKV_BLOCK_K
+        partial = torch.empty(split, T, heads * D, dtype=torch.float32, device=x.device)
+        _qkv_norm_rope_kernel[(heads, split)](
+            x.contiguous(), weight.contiguous(), partial, arrival_counters("qkv_norm_rope", x.device, QKV_MAX_HEADS),
+            q_norm, k_norm, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, q, T, K, k_per_split, eps,
+            HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_T=QKV_BLOCK_T, BLOCK_K=QKV_BLOCK_K, MAX_SPLIT=QKV_MAX_SPLIT,
+            # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+    return q
+
+
+@qkv_norm_rope_cache.register_fake
+def _(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads, num_kv_heads):
+    return x.new_empty(x.shape[0], num_heads, q_norm.shape[0])

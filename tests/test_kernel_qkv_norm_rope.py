@@ -1,0 +1,75 @@
+"""The attention's q/k/v projection + q/k norm + RoPE + cache write in one launch, against its
+reference (CPU: Triton's interpreter, float32; GPU: bf16 at Qwen3-30B-A3B's shape, and in a CUDA graph)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipmoe.engine.rope import MRope
+from zipmoe.kernels.qkv_norm_rope import QKV_MAX_T, qkv_norm_rope_cache, qkv_norm_rope_cache_reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SECTIONS = {16: (4, 2, 2), 128: (24, 20, 20)}  # mRoPE sections: tiny, Qwen3-30B
+
+
+def _case(device, T, hidden, hq, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(T, hidden, generator=g).to(device, dt)
+    w = (torch.randn((hq + 2 * hkv) * d, hidden, generator=g) / hidden ** 0.5).to(device, dt)
+    qn, kn = (torch.rand(d, generator=g).to(device, dt) + 0.5 for _ in range(2))
+    positions = torch.stack([torch.arange(T) * 3, torch.arange(T) + 7, torch.arange(T) * 2]).to(device)
+    cos, sin = MRope(d, 1e6, SECTIONS[d], torch.device(device)).cos_sin(positions, dt)
+    slots = torch.randperm(64, generator=g)[:T].to(device)
+    return x, w, qn, kn, cos, sin, slots, dt
+
+
+def _check(device, T, hidden, hq, hkv, d, runs=2):
+    x, w, qn, kn, cos, sin, slots, dt = _case(device, T, hidden, hq, hkv, d)
+    caches = [torch.zeros(64, hkv, d, dtype=dt, device=device) for _ in range(4)]
+    want = qkv_norm_rope_cache_reference(x, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, hq, hkv)
+    # bf16: the projection sums in another order than cuBLAS, which can move a rounding by one ulp.
+    tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for _ in range(runs):  # twice: the arrival counters must be back at zero
+        got = qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, hq, hkv)
+        torch.testing.assert_close(got, want, **tol)
+        torch.testing.assert_close(caches[0], caches[2], **tol)
+        torch.testing.assert_close(caches[1], caches[3], **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,hidden,hq,hkv,d", [(1, 96, 4, 2, 16), (5, 1100, 4, 2, 16), (QKV_MAX_T, 64, 2, 1, 16),
+                                               (QKV_MAX_T + 2, 64, 4, 2, 16)])
+def test_qkv_norm_rope_cache_matches_reference(device, T, hidden, hq, hkv, d):
+    """One token, an input width split 8 ways unevenly (splits left empty), a full token tile, and
+    the cuBLAS path past QKV_MAX_T."""
+    _check(device, T, hidden, hq, hkv, d)
+
+
+def test_qkv_norm_rope_cache_op_schema_and_fake():
+    x, w, qn, kn, cos, sin, slots, dt = _case("cpu", 3, 32, 2, 1, 16)
+    k_cache, v_cache = (torch.zeros(64, 1, 16) for _ in range(2))
+    torch.library.opcheck(torch.ops.zipmoe.qkv_norm_rope_cache.default,
+                          (x, w, qn, kn, cos, sin, k_cache, v_cache, slots, 1e-6, 2, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_qkv_norm_rope_cache_30b_shape(T):
+    _check("cuda", T, 2048, 32, 4, 128)
+
+
+@pytest.mark.gpu
+def test_qkv_norm_rope_cache_replays_in_a_cuda_graph():
+    x, w, qn, kn, cos, sin, slots, dt = _case("cuda", 4, 2048, 32, 4, 128)
+    caches = [torch.zeros(64, 4, 128, dtype=dt, device="cuda") for _ in range(4)]
+    qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)  # compile outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = qkv_norm_rope_cache_reference(x, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, 32, 4)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(caches[0], caches[2], rtol=2e-2, atol=2e-2)
