@@ -115,8 +115,9 @@ def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Ten
                                   num_heads, num_kv_heads)
     if D & (D - 1) or D < 16:
         raise ValueError(f"head_dim {D} must be a power of two, at least 16")
-    if heads > QKV_MAX_HEADS or weight.shape[0] != heads * D:
-        raise ValueError(f"weight {tuple(weight.shape)}: not {heads} heads of {D} (at most {QKV_MAX_HEADS} heads)")
+    if heads > QKV_MAX_HEADS or tuple(weight.shape) != (heads * D, K):
+        raise ValueError(f"weight {tuple(weight.shape)}: not {heads} heads of {D} over {K} inputs "
+                         f"(at most {QKV_MAX_HEADS} heads)")
     if x.dtype != weight.dtype:
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     q = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
@@ -129,7 +130,8 @@ def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Ten
             q_norm, k_norm, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, q, T, K, k_per_split, eps,
             HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_T=QKV_BLOCK_T, BLOCK_K=QKV_BLOCK_K, MAX_SPLIT=QKV_MAX_SPLIT,
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=4, num_stages=2)  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory
     return q
 
 

@@ -46,6 +46,22 @@ def test_qkv_norm_rope_cache_matches_reference(device, T, hidden, hq, hkv, d):
     _check(device, T, hidden, hq, hkv, d)
 
 
+def test_qkv_norm_rope_cache_rounds_where_the_two_launches_round():
+    """float16 with small whole numbers, so the projection is exact in any order: q and both caches
+    are bit-identical to the GEMM then `qk_norm_rope_cache` (float32 elsewhere on CPU would hide a
+    rounding put in the wrong place). 8 splits, 3 of them empty."""
+    from zipmoe.kernels.layer_ops import qk_norm_rope_cache
+
+    x, w, qn, kn, cos, sin, slots, _ = _case("cpu", 5, 1100, 4, 2, 16)
+    x, w = x.round().clamp(-3, 3).half(), (w * 30).round().clamp(-2, 2).half()
+    qn, kn, cos, sin = qn.half(), kn.half(), cos.half(), sin.half()
+    caches = [torch.zeros(64, 2, 16, dtype=torch.float16) for _ in range(4)]
+    got = qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 4, 2)
+    want = qk_norm_rope_cache(torch.nn.functional.linear(x, w), qn, kn, cos, sin, caches[2], caches[3], slots,
+                              1e-6, 4, 2)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def test_qkv_norm_rope_cache_op_schema_and_fake():
     x, w, qn, kn, cos, sin, slots, dt = _case("cpu", 3, 32, 2, 1, 16)
     k_cache, v_cache = (torch.zeros(64, 1, 16) for _ in range(2))
@@ -73,3 +89,4 @@ def test_qkv_norm_rope_cache_replays_in_a_cuda_graph():
     want = qkv_norm_rope_cache_reference(x, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, 32, 4)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(caches[0], caches[2], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(caches[1], caches[3], rtol=2e-2, atol=2e-2)
