@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import torch
 
+import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
+import triton.language as tl
+
 _buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -33,3 +36,33 @@ def arrival_counters(kernel: str, device: torch.device, size: int) -> torch.Tens
     if buffer.numel() != size:
         raise ValueError(f"{kernel}: arrival counters were made for {buffer.numel()} groups, not {size}")
     return buffer
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, count):
+    """Called by each of a group's `count` programs after its stores: True in the one that checks in
+    last, which then sees every other program's stores (read them with .cg loads, from L2) and has
+    set the counter back to zero for the next launch (and graph replay)."""
+    tl.debug_barrier()  # every thread's stores done before the one-thread release-acquire check-in
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == count - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def sum_splits(partial_ptr, rows, cols, T, width, splits, mask, MAX_SPLIT: tl.constexpr):
+    """[rows, cols] of float32 partials laid out [split, T, width], summed over the launch's `splits`
+    (unrolled to MAX_SPLIT, the rest masked off: every load independent, so all in flight). Read in
+    the program `last_to_arrive` chose."""
+    at = partial_ptr + rows[:, None] * width + cols[None, :]
+    total = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, MAX_SPLIT):
+        total += tl.load(at + s * T * width, mask=mask & (s < splits), other=0.0, cache_modifier=".cg")
+    return total
+
+
+def split_width(width: int, splits: int, block: int) -> int:
+    """Columns per split of `width` cut into `splits` shares of whole blocks (the last may be short,
+    or empty: its programs store zeros)."""
+    return triton.cdiv(triton.cdiv(width, splits), block) * block

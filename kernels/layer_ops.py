@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .arrivals import arrival_counters
+from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -302,21 +302,9 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
         acc += tl.dot(xs, tl.trans(gs), input_precision=DOT_PRECISION)
     tl.store(partial_ptr + (split * T + rows[:, None]) * E + experts[None, :], acc,
              mask=(rows[:, None] < T) & (experts[None, :] < E))
-    # Every thread's stores done (the barrier), then one release-acquire check-in: this program's
-    # partials are visible to whoever checks in after it.
-    tl.debug_barrier()
-    last = tl.num_programs(1) * tl.num_programs(2) - 1
-    if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu") == last:
-        tl.store(arrivals_ptr + tile, 0)  # zero again for the next launch (and graph replay)
+    if last_to_arrive(arrivals_ptr + tile, tl.num_programs(1) * split_count):
         e = tl.arange(0, E_PAD)
-        ok = (rows[:, None] < T) & (e[None, :] < E)
-        logit = tl.zeros([BLOCK_T, E_PAD], dtype=tl.float32)
-        # Unrolled to MAX_SPLIT (the split count a runtime value: no compile per batch size), the
-        # splits past this launch's masked off; the loads are independent, so all can be in flight.
-        for s in tl.static_range(MAX_SPLIT):
-            # .cg: read from L2, where the other programs' partials are, never from this SM's L1.
-            logit += tl.load(partial_ptr + (s * T + rows[:, None]) * E + e[None, :], mask=ok & (s < split_count),
-                             other=0.0, cache_modifier=".cg")
+        logit = sum_splits(partial_ptr, rows, e, T, E, split_count, (rows[:, None] < T) & (e[None, :] < E), MAX_SPLIT)
         logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
 
@@ -338,7 +326,7 @@ def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
         partial = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(T, ROUTER_BLOCK_T), triton.cdiv(E, ROUTER_BLOCK_E), split)
         arrivals = arrival_counters("router", x.device, ROUTER_GROUPS)
-        h_per_split = triton.cdiv(triton.cdiv(H, split), ROUTER_BLOCK_H) * ROUTER_BLOCK_H
+        h_per_split = split_width(H, split, ROUTER_BLOCK_H)
         _router_kernel[grid](x.contiguous(), gate.contiguous(), partial, arrivals, probs, ids, weights, T, H, E,
                              h_per_split, K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
                              NORMALIZE=normalize, MAX_SPLIT=ROUTER_MAX_SPLIT, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E,

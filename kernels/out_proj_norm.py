@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .arrivals import arrival_counters
+from .arrivals import arrival_counters, last_to_arrive
 from .layer_ops import add_rms_norm, add_rms_norm_reference
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
@@ -52,10 +52,7 @@ def _out_proj_norm_kernel(a_ptr, w_ptr, h_ptr, nw_ptr, o_ptr, arrivals_ptr, h_ou
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
     tl.store(o_ptr + rows[:, None] * N + cols[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=(rows[:, None] < T) & (cols[None, :] < N))
-    # Every thread's stores done (the barrier), then one release-acquire check-in.
-    tl.debug_barrier()
-    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(arrivals_ptr, 0)  # zero again for the next launch (and graph replay)
+    if last_to_arrive(arrivals_ptr, tl.num_programs(0)):
         c = tl.arange(0, N_PAD)
         nw = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
         for r0 in range(0, T, NORM_ROWS):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .arrivals import arrival_counters
+from .arrivals import arrival_counters, last_to_arrive
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -132,9 +132,7 @@ def _partition_kernel(
     tl.store(l_ptr + rows + part, l_i, mask=store)
     tl.store(acc_ptr + (rows + part)[:, None] * HEAD_DIM + d[None, :], acc, mask=store[:, None])
     counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-    tl.debug_barrier()  # every thread's stores done before the release-acquire check-in
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:  # the last one merges them all
-        tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+    if last_to_arrive(counter, used):  # the last one merges them all
         m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_run = tl.zeros([GROUP_PAD], tl.float32)
         out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .arrivals import arrival_counters
+from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .layer_ops import qk_norm_rope_cache, qk_norm_rope_cache_reference
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
@@ -58,21 +58,10 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
         acc += tl.dot(xs, tl.trans(ws), input_precision=DOT_PRECISION)
     row_ok = rows[:, None] < T
     tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
-    # Every thread's stores done (the barrier), then one release-acquire check-in.
-    tl.debug_barrier()
-    if tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel", scope="gpu") == split_count - 1:
-        tl.store(arrivals_ptr + head, 0)  # zero again for the next launch (and graph replay)
-        # The head's columns, and the same columns rotated by half (the rotate-half partner), summed
-        # over the splits; loads past this launch's splits masked off, all independent.
-        partner = head * D + (d + HALF) % D
-        x32 = tl.zeros([BLOCK_T, D], dtype=tl.float32)
-        p32 = tl.zeros([BLOCK_T, D], dtype=tl.float32)
-        for s in tl.static_range(MAX_SPLIT):
-            at = partial_ptr + (s * T + rows[:, None]) * NCOLS
-            ok = row_ok & (s < split_count)
-            # .cg: the other programs' partials are in L2, never in this SM's L1.
-            x32 += tl.load(at + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-            p32 += tl.load(at + partner[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    if last_to_arrive(arrivals_ptr + head, split_count):
+        # The head's columns, and the same columns rotated by half (the rotate-half partner).
+        x32 = sum_splits(partial_ptr, rows, cols, T, NCOLS, split_count, row_ok, MAX_SPLIT)
+        p32 = sum_splits(partial_ptr, rows, head * D + (d + HALF) % D, T, NCOLS, split_count, row_ok, MAX_SPLIT)
         dtype = q_out_ptr.dtype.element_ty
         x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
         slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
@@ -123,7 +112,7 @@ def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Ten
     q = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
     if T:
         split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(K, QKV_BLOCK_K)))
-        k_per_split = triton.cdiv(triton.cdiv(K, split), QKV_BLOCK_K) * QKV_BLOCK_K
+        k_per_split = split_width(K, split, QKV_BLOCK_K)
         partial = torch.empty(split, T, heads * D, dtype=torch.float32, device=x.device)
         _qkv_norm_rope_kernel[(heads, split)](
             x.contiguous(), weight.contiguous(), partial, arrival_counters("qkv_norm_rope", x.device, QKV_MAX_HEADS),

@@ -92,76 +92,74 @@ def bench_sere() -> list[dict]:
     return rows
 
 
+def layer_weights(shape: tuple[int, int], seed: int = 0) -> list[torch.Tensor]:
+    """One random bf16 weight per layer (scaled by its input width), so each is read from memory once a replay."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) * shape[1] ** -0.5
+            for _ in range(CFG.num_layers)]
+
+
+def per_layer_rows(bench: str, batch: int, impls, weights: list[torch.Tensor], bytes_read: int) -> list[dict]:
+    """impls: (name, fn(weight)); each timed over every layer's weight in one graph (L2 flushed before
+    it), per layer."""
+    rows = []
+    for impl, fn in impls:
+        us = graph_time_us(lambda: [fn(w) for w in weights], calls=1, flush_l2=True) / len(weights)
+        rows.append(row(bench, impl, batch, us, bytes_read))
+        print_row(rows[-1])
+    return rows
+
+
+def _activation(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
 def bench_router(batches=(1, 16, 64, 128)) -> list[dict]:
-    """Per layer: 48 layers' gates (24 MiB, each read once a replay, L2 flushed before it)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    """Per layer: 48 layers' gates (24 MiB), the GEMM and top-K in one launch against cuBLAS's GEMM
+    then `topk_softmax`."""
     E, H, K = CFG.num_experts, CFG.hidden_size, CFG.top_k
-    gates = [torch.randn(E, H, generator=g, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-             for _ in range(CFG.num_layers)]
-
-    def one_launch(x, gate):
-        return router(x, gate, K, True)
-
-    def two_launches(x, gate):
-        return topk_softmax(torch.nn.functional.linear(x, gate), K, True, x.dtype)
-
+    gates = layer_weights((E, H))
     rows = []
     for B in batches:
-        x = torch.randn(B, H, generator=g, device="cuda", dtype=torch.bfloat16)
-        for impl, fn in (("triton", one_launch), ("cublas+topk_softmax", two_launches)):
-            us = graph_time_us(lambda: [fn(x, gate) for gate in gates], calls=1, flush_l2=True) / len(gates)
-            rows.append(row("router", impl, B, us, E * H * 2 + B * H * 2))
-            print_row(rows[-1])
+        x = _activation(B, H)
+        rows += per_layer_rows("router", B, (
+            ("triton", lambda gate: router(x, gate, K, True)),
+            ("cublas+topk_softmax", lambda gate: topk_softmax(torch.nn.functional.linear(x, gate), K, True, x.dtype)),
+        ), gates, E * H * 2 + B * H * 2)
     return rows
 
 
 def bench_out_proj(batches=(1, 4, 16)) -> list[dict]:
-    """Per layer: 48 layers' o projections (805 MB, each read once a replay, L2 flushed before it),
-    the projection + residual add + RMSNorm in one launch against cuBLAS's GEMM then `add_rms_norm`."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    """Per layer: 48 layers' o projections (805 MB), the projection + residual add + RMSNorm in one
+    launch against cuBLAS's GEMM then `add_rms_norm`."""
     N, K = CFG.hidden_size, CFG.num_heads * CFG.head_dim
-    weights = [torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-               for _ in range(CFG.num_layers)]
+    weights = layer_weights((N, K))
     norm = torch.ones(N, device="cuda", dtype=torch.bfloat16)
-
-    def separate(h, attn, w):
-        return add_rms_norm(h, torch.nn.functional.linear(attn, w), norm, 1e-6)
-
     rows = []
     for B in batches:
-        h = torch.randn(B, N, generator=g, device="cuda", dtype=torch.bfloat16)
-        attn = torch.randn(B, K, generator=g, device="cuda", dtype=torch.bfloat16)
-        for impl, fn in (("triton", lambda h, a, w: out_proj_add_rms_norm(h, a, w, norm, 1e-6)),
-                         ("cublas+add_rms_norm", separate)):
-            us = graph_time_us(lambda: [fn(h, attn, w) for w in weights], calls=1, flush_l2=True) / len(weights)
-            rows.append(row("out_proj", impl, B, us, N * K * 2 + B * (K + 4 * N) * 2))
-            print_row(rows[-1])
+        h, attn = _activation(B, N), _activation(B, K)
+        rows += per_layer_rows("out_proj", B, (
+            ("triton", lambda w: out_proj_add_rms_norm(h, attn, w, norm, 1e-6)),
+            ("cublas+add_rms_norm", lambda w: add_rms_norm(h, torch.nn.functional.linear(attn, w), norm, 1e-6)),
+        ), weights, N * K * 2 + B * (K + 4 * N) * 2)
     return rows
 
 
 def bench_qkv(batches=(1, 4, 16)) -> list[dict]:
-    """Per layer: 48 layers' q/k/v projections (1 GB, each read once a replay, L2 flushed before
-    it), projection + q/k norm + RoPE + cache write in one launch against cuBLAS's GEMM then
-    `qk_norm_rope_cache`."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    """Per layer: 48 layers' q/k/v projections (1 GB), projection + q/k norm + RoPE + cache write in
+    one launch against cuBLAS's GEMM then `qk_norm_rope_cache`."""
     H, D, hq, hkv = CFG.hidden_size, CFG.head_dim, CFG.num_heads, CFG.num_kv_heads
-    weights = [torch.randn((hq + 2 * hkv) * D, H, generator=g, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-               for _ in range(CFG.num_layers)]
+    weights = layer_weights(((hq + 2 * hkv) * D, H))
     norm = torch.ones(D, device="cuda", dtype=torch.bfloat16)
     k_cache, v_cache = (torch.zeros(1024, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-
     rows = []
     for B in batches:
-        x = torch.randn(B, H, generator=g, device="cuda", dtype=torch.bfloat16)
-        cos, sin = (torch.rand(B, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        slots = torch.arange(B, device="cuda")
-        args = (norm, norm, cos, sin, k_cache, v_cache, slots, 1e-6, hq, hkv)
-        for impl, fn in (("triton", lambda w: qkv_norm_rope_cache(x, w, *args)),
-                         ("cublas+qk_norm_rope_cache",
-                          lambda w: qk_norm_rope_cache(torch.nn.functional.linear(x, w), *args))):
-            us = graph_time_us(lambda: [fn(w) for w in weights], calls=1, flush_l2=True) / len(weights)
-            rows.append(row("qkv", impl, B, us, weights[0].numel() * 2 + B * H * 2))
-            print_row(rows[-1])
+        x, cos, sin = _activation(B, H), _activation(B, D), _activation(B, D)
+        args = (norm, norm, cos, sin, k_cache, v_cache, torch.arange(B, device="cuda"), 1e-6, hq, hkv)
+        rows += per_layer_rows("qkv", B, (
+            ("triton", lambda w: qkv_norm_rope_cache(x, w, *args)),
+            ("cublas+qk_norm_rope_cache", lambda w: qk_norm_rope_cache(torch.nn.functional.linear(x, w), *args)),
+        ), weights, weights[0].numel() * 2 + B * H * 2)
     return rows
 
 
