@@ -271,8 +271,11 @@ ROUTER_BLOCK_H = 128  # hidden columns per loop iteration
 # loads from L2.
 ROUTER_PROGRAMS = 64
 ROUTER_MAX_SPLIT = 8
-ROUTER_MAX_T = 256  # above this (prefill) cuBLAS's GEMM and `topk_softmax` are faster than one program per tile
-ROUTER_GROUPS = ROUTER_MAX_T // ROUTER_BLOCK_T  # arrival counters: one per token tile
+ROUTER_GROUPS = 16  # arrival counters, one per token tile: `fused_router` serves up to 256 tokens
+# `router` takes the one launch up to this many tokens and cuBLAS's GEMM then `topk_softmax` above.
+# Session 19 (`bench_kernels --parts router`, per layer): 7.7 / 8.1 us against 8.0 / 8.2 at 1 and
+# 16 tokens, but 9.2 / 11.9 against 8.5 / 8.5 at 64 and 128.
+ROUTER_MAX_T = 16
 
 
 def router_split(T: int, H: int, E: int) -> int:
@@ -309,15 +312,14 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
         _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
 
 
-@torch.library.custom_op("zipmoe::router", mutates_args=())
-def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
-           normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `router_reference` (ties: the lowest expert id first); one launch up to
-    ROUTER_MAX_T tokens, the GEMM then `topk_softmax` above."""
+def fused_router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
+                 normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`router_reference`'s contract in one launch, up to ROUTER_GROUPS token tiles (ties: the
+    lowest expert id first). `router` calls it where it was measured faster."""
     T, H = x.shape
     E = gate.shape[0]
-    if T > ROUTER_MAX_T:
-        return topk_softmax(F.linear(x, gate), top_k, normalize, x.dtype)
+    if triton.cdiv(T, ROUTER_BLOCK_T) > ROUTER_GROUPS:
+        raise ValueError(f"fused_router serves at most {ROUTER_GROUPS * ROUTER_BLOCK_T} tokens, got {T}")
     probs = torch.empty(T, E, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
@@ -334,6 +336,16 @@ def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
                              # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
                              DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
     return probs, ids, weights
+
+
+@torch.library.custom_op("zipmoe::router", mutates_args=())
+def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
+           normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `router_reference`: `fused_router` up to ROUTER_MAX_T tokens, the GEMM then
+    `topk_softmax` above."""
+    if x.shape[0] > ROUTER_MAX_T:
+        return topk_softmax(F.linear(x, gate), top_k, normalize, x.dtype)
+    return fused_router(x, gate, top_k, normalize)
 
 
 @router.register_fake

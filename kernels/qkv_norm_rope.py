@@ -8,8 +8,8 @@ shape (21 MB, 5.0 us at an H200's copy speed). cuBLAS ran it in 7.7 us a layer a
 last program of the head to check in (`kernels/arrivals.py`) adds the splits up, rounds them to the
 model dtype as F.linear rounds its output, and does `qk_norm_rope_cache`'s work on the head: q
 normed and rotated into the output, k normed and rotated into the cache, v copied into it. One
-launch where there were two, at most QKV_MAX_T tokens (a decode step); above that cuBLAS's GEMM and
-`qk_norm_rope_cache`.
+launch where there were two, up to 16 tokens; the engine takes it where it was measured faster
+(QKV_MAX_T), cuBLAS's GEMM and `qk_norm_rope_cache` elsewhere.
 
 Called by `engine/model.py` at the start of each layer's attention (`ops.qkv_norm_rope_cache`).
 """
@@ -25,7 +25,10 @@ import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU
 import triton.language as tl
 
 QKV_BLOCK_T = 16  # token rows of a program's tile (tl.dot's smallest); also the most it serves
-QKV_MAX_T = QKV_BLOCK_T
+# `qkv_norm_rope_cache` takes the one launch up to this many tokens, cuBLAS's GEMM and
+# `qk_norm_rope_cache` above. Session 19 (`bench_kernels --parts qkv`, per layer): 9.4 against 9.7 us
+# at one token, but 10.4 / 12.8 against 9.8 / 10.2 at 4 and 16.
+QKV_MAX_T = 1
 QKV_BLOCK_K = 128  # input columns per loop iteration
 QKV_MAX_SPLIT = 8  # splits of the input width per head: 40 heads x 8 = 320 programs at the 30B shape
 QKV_MAX_HEADS = 1024  # q + k + v heads one launch serves: one arrival counter each
@@ -91,17 +94,15 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
                 tl.store(kc_ptr + (slot[:, None] * HKV + head - HQ) * D + d[None, :], out, mask=row_ok)
 
 
-@torch.library.custom_op("zipmoe::qkv_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
-def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """Same contract as `qkv_norm_rope_cache_reference`; one launch up to QKV_MAX_T tokens."""
+def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """`qkv_norm_rope_cache_reference`'s contract in one launch, up to QKV_BLOCK_T tokens."""
     T, K = x.shape
     D = q_norm.shape[0]
     heads = num_heads + 2 * num_kv_heads
-    if T > QKV_MAX_T:
-        return qk_norm_rope_cache(F.linear(x, weight), q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
-                                  num_heads, num_kv_heads)
+    if T > QKV_BLOCK_T:
+        raise ValueError(f"fused_qkv_norm_rope_cache serves at most {QKV_BLOCK_T} tokens, got {T}")
     if D & (D - 1) or D < 16:
         raise ValueError(f"head_dim {D} must be a power of two, at least 16")
     if heads > QKV_MAX_HEADS or tuple(weight.shape) != (heads * D, K):
@@ -122,6 +123,19 @@ def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Ten
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2)  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory
     return q
+
+
+@torch.library.custom_op("zipmoe::qkv_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Same contract as `qkv_norm_rope_cache_reference`: `fused_qkv_norm_rope_cache` up to QKV_MAX_T
+    tokens, the GEMM then `qk_norm_rope_cache` above."""
+    if x.shape[0] > QKV_MAX_T:
+        return qk_norm_rope_cache(F.linear(x, weight), q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
+                                  num_heads, num_kv_heads)
+    return fused_qkv_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads,
+                                     num_kv_heads)
 
 
 @qkv_norm_rope_cache.register_fake

@@ -10,9 +10,9 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.model import KERNELS, REFERENCE
 from zipmoe.engine.rope import MRope
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache,
-                                      qk_norm_rope_cache_reference, rms_norm, rms_norm_reference, router,
-                                      router_reference, topk_softmax, topk_softmax_reference)
+from zipmoe.kernels.layer_ops import (ROUTER_MAX_T, add_rms_norm, add_rms_norm_reference, fused_router,
+                                      qk_norm_rope_cache, qk_norm_rope_cache_reference, rms_norm, rms_norm_reference,
+                                      router, router_reference, topk_softmax, topk_softmax_reference)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -111,12 +111,13 @@ def test_topk_softmax_matches_reference(device, E, K, normalize):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,H,E,K,normalize", [(1, 2048, 128, 8, True), (3, 1100, 16, 4, True), (5, 96, 60, 2, False),
-                                               (33, 64, 16, 4, True), (300, 64, 16, 4, True)])
-def test_router_matches_reference(device, T, H, E, K, normalize):
+                                               (33, 64, 16, 4, True), (ROUTER_MAX_T + 1, 64, 16, 4, True)])
+@pytest.mark.parametrize("impl", [fused_router, router], ids=["fused_router", "router"])
+def test_router_matches_reference(device, T, H, E, K, normalize, impl):
     """The router's GEMM and top-K in one launch (several token tiles and expert blocks, E not a
-    multiple of the block, batch 1 with H split 8 ways, H split unevenly with splits left empty, and
-    the two-launch path past ROUTER_MAX_T), twice in a row: the programs' arrival counters must be
-    left at zero for the next launch."""
+    multiple of the block, batch 1 with H split 8 ways, H split unevenly with splits left empty),
+    and `router`, which past ROUTER_MAX_T takes two launches. Twice in a row: the programs' arrival
+    counters must be left at zero for the next launch."""
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(device, _dtype(device))
     gate = (torch.randn(E, H, generator=g) / H ** 0.5).to(device, _dtype(device))
@@ -124,13 +125,19 @@ def test_router_matches_reference(device, T, H, E, K, normalize):
     # bf16: the GEMM sums in another order than cuBLAS, which can move a logit by one ulp and swap
     # two experts whose probabilities were that close; float32 (CPU) gives the same ids.
     for _ in range(2):
-        probs, ids, w = router(x, gate, K, normalize)
+        probs, ids, w = impl(x, gate, K, normalize)
         torch.testing.assert_close(probs, probs_ref, **({} if device == "cpu" else dict(rtol=2e-2, atol=1e-3)))
         if device == "cpu":
             assert torch.equal(ids, ids_ref)
             torch.testing.assert_close(w, w_ref)
         else:
             assert (ids == ids_ref).float().mean() > 0.95
+
+
+def test_fused_router_refuses_more_tokens_than_its_counters():
+    x, gate = torch.randn(257, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="at most 256 tokens"):
+        fused_router(x, gate, 2, True)
 
 
 def _generate(checkpoint, device, ops, steps=6):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from zipmoe.engine.rope import MRope
-from zipmoe.kernels.qkv_norm_rope import QKV_MAX_T, qkv_norm_rope_cache, qkv_norm_rope_cache_reference
+from zipmoe.kernels.qkv_norm_rope import (QKV_BLOCK_T, QKV_MAX_T, fused_qkv_norm_rope_cache, qkv_norm_rope_cache,
+                                         qkv_norm_rope_cache_reference)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SECTIONS = {16: (4, 2, 2), 128: (24, 20, 20)}  # mRoPE sections: tiny, Qwen3-30B
@@ -24,26 +25,37 @@ def _case(device, T, hidden, hq, hkv, d, seed=0):
     return x, w, qn, kn, cos, sin, slots, dt
 
 
-def _check(device, T, hidden, hq, hkv, d, runs=2):
+def _check(device, T, hidden, hq, hkv, d, impl=fused_qkv_norm_rope_cache, runs=2):
     x, w, qn, kn, cos, sin, slots, dt = _case(device, T, hidden, hq, hkv, d)
     caches = [torch.zeros(64, hkv, d, dtype=dt, device=device) for _ in range(4)]
     want = qkv_norm_rope_cache_reference(x, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, hq, hkv)
     # bf16: the projection sums in another order than cuBLAS, which can move a rounding by one ulp.
     tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for _ in range(runs):  # twice: the arrival counters must be back at zero
-        got = qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, hq, hkv)
+        got = impl(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, hq, hkv)
         torch.testing.assert_close(got, want, **tol)
         torch.testing.assert_close(caches[0], caches[2], **tol)
         torch.testing.assert_close(caches[1], caches[3], **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,hidden,hq,hkv,d", [(1, 96, 4, 2, 16), (5, 1100, 4, 2, 16), (QKV_MAX_T, 64, 2, 1, 16),
-                                               (QKV_MAX_T + 2, 64, 4, 2, 16)])
-def test_qkv_norm_rope_cache_matches_reference(device, T, hidden, hq, hkv, d):
-    """One token, an input width split 8 ways unevenly (splits left empty), a full token tile, and
-    the cuBLAS path past QKV_MAX_T."""
+@pytest.mark.parametrize("T,hidden,hq,hkv,d", [(1, 96, 4, 2, 16), (5, 1100, 4, 2, 16), (QKV_BLOCK_T, 64, 2, 1, 16)])
+def test_fused_qkv_norm_rope_cache_matches_reference(device, T, hidden, hq, hkv, d):
+    """One token, an input width split 8 ways unevenly (splits left empty), a full token tile."""
     _check(device, T, hidden, hq, hkv, d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [QKV_MAX_T, QKV_MAX_T + 2])
+def test_qkv_norm_rope_cache_matches_reference_on_both_sides_of_its_threshold(device, T):
+    _check(device, T, 96, 4, 2, 16, impl=qkv_norm_rope_cache)
+
+
+def test_fused_qkv_norm_rope_cache_refuses_more_than_a_token_tile():
+    x, w, qn, kn, cos, sin, slots, _ = _case("cpu", QKV_BLOCK_T + 1, 32, 2, 1, 16)
+    k_cache, v_cache = (torch.zeros(64, 1, 16) for _ in range(2))
+    with pytest.raises(ValueError, match=f"at most {QKV_BLOCK_T} tokens"):
+        fused_qkv_norm_rope_cache(x, w, qn, kn, cos, sin, k_cache, v_cache, slots, 1e-6, 2, 1)
 
 
 def test_qkv_norm_rope_cache_rounds_where_the_two_launches_round():
@@ -56,14 +68,15 @@ def test_qkv_norm_rope_cache_rounds_where_the_two_launches_round():
     x, w = x.round().clamp(-3, 3).half(), (w * 30).round().clamp(-2, 2).half()
     qn, kn, cos, sin = qn.half(), kn.half(), cos.half(), sin.half()
     caches = [torch.zeros(64, 2, 16, dtype=torch.float16) for _ in range(4)]
-    got = qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 4, 2)
+    got = fused_qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 4, 2)
     want = qk_norm_rope_cache(torch.nn.functional.linear(x, w), qn, kn, cos, sin, caches[2], caches[3], slots,
                               1e-6, 4, 2)
     assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def test_qkv_norm_rope_cache_op_schema_and_fake():
-    x, w, qn, kn, cos, sin, slots, dt = _case("cpu", 3, 32, 2, 1, 16)
+@pytest.mark.parametrize("T", [QKV_MAX_T, QKV_MAX_T + 2])
+def test_qkv_norm_rope_cache_op_schema_and_fake(T):
+    x, w, qn, kn, cos, sin, slots, dt = _case("cpu", T, 32, 2, 1, 16)
     k_cache, v_cache = (torch.zeros(64, 1, 16) for _ in range(2))
     torch.library.opcheck(torch.ops.zipmoe.qkv_norm_rope_cache.default,
                           (x, w, qn, kn, cos, sin, k_cache, v_cache, slots, 1e-6, 2, 1),
@@ -80,10 +93,10 @@ def test_qkv_norm_rope_cache_30b_shape(T):
 def test_qkv_norm_rope_cache_replays_in_a_cuda_graph():
     x, w, qn, kn, cos, sin, slots, dt = _case("cuda", 4, 2048, 32, 4, 128)
     caches = [torch.zeros(64, 4, 128, dtype=dt, device="cuda") for _ in range(4)]
-    qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)  # compile outside
+    fused_qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)  # compile outside
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)
+        got = fused_qkv_norm_rope_cache(x, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)
     x.copy_(torch.randn_like(x))
     graph.replay()
     want = qkv_norm_rope_cache_reference(x, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, 32, 4)

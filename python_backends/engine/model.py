@@ -23,7 +23,6 @@ from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
-from ..kernels.out_proj_norm import out_proj_add_rms_norm, out_proj_add_rms_norm_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from ..kernels.qkv_norm_rope import qkv_norm_rope_cache, qkv_norm_rope_cache_reference
 from .routing import RoutingPolicy
@@ -32,14 +31,13 @@ from .rope import MRope
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
 # `experts` may leave a MoE layer's K slot outputs unsummed ([T, K, H], the kernels): add_rms_norm
 # sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
-# The attention's input projection comes with its q/k norms, RoPE and cache writes, its output
-# projection with the residual add and the MoE's input norm.
+# The attention's input projection comes with its q/k norms, RoPE and cache writes (one launch for
+# a single token); its output projection is cuBLAS's, then the residual add and the MoE's input
+# norm in one pass (a one-launch version measured slower: session 19, docs/PERFORMANCE.md).
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
-                          out_proj_add_rms_norm=out_proj_add_rms_norm,
                           qkv_norm_rope_cache=qkv_norm_rope_cache, router=layer_ops.router,
                           experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
-                            out_proj_add_rms_norm=out_proj_add_rms_norm_reference,
                             qkv_norm_rope_cache=qkv_norm_rope_cache_reference,
                             router=layer_ops.router_reference, experts=fused_experts_reference,
                             decode_attention=paged_decode_attention_reference)
@@ -161,8 +159,8 @@ class Qwen3VLMoeTextDecoder:
         cos, sin = self.rope.cos_sin(step.positions, self.dtype)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for layer, nxt in zip(self.layers, self.layers[1:] + [None]):
-            h, x = ops.out_proj_add_rms_norm(h, self._attention(layer, x, cos, sin, step, kv), layer.o,
-                                             layer.post_norm, eps)
+            h, x = ops.add_rms_norm(h, F.linear(self._attention(layer, x, cos, sin, step, kv), layer.o),
+                                    layer.post_norm, eps)
             out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
             inject = step.deepstack is not None and layer.idx < step.deepstack.shape[0]
             if nxt is not None and not inject:
