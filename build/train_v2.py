@@ -70,6 +70,7 @@ from zipmoe.build.tiny_checkpoint import PREPROCESSOR_CONFIG
 from zipmoe.build.training import (SplitDataset, answer_exact_match, autocast, eval_batches, finish, fit,
                                    is_training_only, loaders, move_batch, set_up)
 from zipmoe.build.training import collate  # noqa: F401  (re-exported: callers collate batches through this module)
+from zipmoe.build.routing_truncation import answer_rows, truncated_routing
 from zipmoe.build.train_v2_attention import ATTENTION, AnswerAttention, attention_targets, char_marks
 from zipmoe.build.train_v2_vision import (PACKED_IMAGE_ATTENTION, TokenReadingHead, device_pixels,
                                           grid_cached_vision_inputs, token_readings, uint8_patches)
@@ -160,8 +161,10 @@ def validate(model, loader, device, tokenizer, temporal: int, reading: TokenRead
     lower loss with them. (Session 15's 6-minute run did not: 1.330 with its images, 1.328 blank.)
     reading: also report its `visual_stats` of the images' forwards (mean over batches), "visual".
     looking: also report "looks_right", the share of answer tokens with an attention target at
-    which its head attends most to that target (`AnswerAttention.hits`)."""
-    losses, blind, rows, visual, looked = [], [], [], [], [0, 0]  # looked: (right, targets)
+    which its head attends most to that target (`AnswerAttention.hits`). top2_loss: the loss with
+    the answer tokens' routing cut to two experts (`routing_truncation`): issue 18 wants a model
+    that needs its top-K, which this shows during training."""
+    losses, blind, top2, rows, visual, looked = [], [], [], [], [], [0, 0]  # looked: (right, targets)
     on_device = functools.partial(to_device, dev=device, temporal=temporal)
     for task, batch, out in eval_batches(model, loader, device, on_device):
         losses.append(float(out.loss))
@@ -172,6 +175,8 @@ def validate(model, loader, device, tokenizer, temporal: int, reading: TokenRead
             looked = [a + b for a, b in zip(looked, looking.hits(attend))]
         with torch.no_grad(), autocast(device):
             blind.append(float(model(**{**batch, "pixel_values": torch.zeros_like(batch["pixel_values"])}).loss))
+            with truncated_routing(model, 2, answer_rows(batch["labels"])):
+                top2.append(float(model(**batch).loss))
         hits = answer_exact_match(out.logits, batch["labels"]).tolist()
         for t, hit, (p, ref) in zip(task.tolist(), hits, zip(*answer_texts(out.logits, batch["labels"], tokenizer))):
             rows.append((ts.TASKS[t], float(hit), token_f1(p, ref), exact_match(p, ref)))
@@ -182,6 +187,7 @@ def validate(model, loader, device, tokenizer, temporal: int, reading: TokenRead
             by_task[name] = {"exact": round(sum(r[1] for r in mine) / len(mine), 4),
                              "f1": round(sum(r[2] for r in mine) / len(mine), 4)}
     return {"loss": round(sum(losses) / len(losses), 4), "blind_loss": round(sum(blind) / len(blind), 4),
+            "top2_loss": round(sum(top2) / len(top2), 4),
             "exact_match": round(sum(r[1] for r in rows) / len(rows), 4),
             "f1": round(sum(r[2] for r in rows) / len(rows), 4),
             "squad_exact": round(sum(r[3] for r in rows) / len(rows), 4), "by_task": by_task,
@@ -239,10 +245,10 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
     final = validation()
     log.update(val_loss=final["loss"], val_blind_loss=final["blind_loss"], val_exact_match=final["exact_match"],
                val_f1=final["f1"], val_by_task=final["by_task"], val_visual=final["visual"],
-               val_looks_right=final.get("looks_right"))
+               val_looks_right=final.get("looks_right"), val_top2_loss=final["top2_loss"])
     print(f"{run.out}: {log['steps']} steps in {log['minutes']} min ({log['skipped_steps']} non-finite skipped), "
           f"{log['throughput']}, final loss {log['final_loss']}, validation loss {log['val_loss']:.4f} "
-          f"({log['val_blind_loss']:.4f} with blank images), "
+          f"({log['val_blind_loss']:.4f} with blank images, {log['val_top2_loss']:.4f} with answers routed to 2 experts), "
           f"teacher-forced exact match {log['val_exact_match']:.3f}, F1 {log['val_f1']:.3f}")
     text._attn_implementation = saved_attention  # the checkpoint's own setting, not the training capture
     questions = [p.question for p in ts.plans("validation", calibration_prompts)] if calibrate_sere else None

@@ -1,0 +1,143 @@
+"""Does a trained checkpoint need its top-K experts? Teacher-forced answers with the router cut to
+its top K' at the answer tokens only, where serving's decode-time policies act.
+
+    python -m zipmoe.build.routing_truncation --checkpoint DIR [--n 64] [--keep 8,4,2] [--out F.json]
+
+Task set v2's validation examples (`build/train_v2.py`'s dataset and batches) go through the
+Hugging Face model of the checkpoint. In every MoE layer the router's choice for the answer tokens
+(the rows serving computes in decode steps; the prompt, prefilled, keeps every expert) is cut to
+its K' highest-weighted experts and renormalised, as the model renormalises its top-K: K' = the
+checkpoint's top-K is the model as trained, K' = 0 the model without its experts there. Per K':
+the answers' mean loss and teacher-forced token F1, and how much of the router's top-K weight its
+top K' held (before renormalising): a router whose first two experts carry nearly all the weight
+loses little when cut to two. This is the reading issue 18 asks of a model, that top-2 truncation
+should hurt, with no server and no sampling in the way; `train_v2`'s validation reports the K'=2
+loss beside its own.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from zipmoe.build import taskset_v2 as ts
+from zipmoe.build.training import autocast, collate
+from zipmoe.clients.quality_metrics import token_f1
+
+
+@contextlib.contextmanager
+def truncated_routing(model, keep: int, rows: torch.Tensor, kept_mass: list[float] | None = None):
+    """Within the block, every MoE router of `model` (a Qwen3-VL-MoE) keeps only its `keep`
+    highest-weighted experts at the flattened token rows where `rows` ([batch, tokens] bool) is
+    set, renormalised (keep 0: no expert there). kept_mass: gets, per layer call, the mean share of
+    the top-K weight those experts held at those rows."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    flat = rows.reshape(-1)
+
+    def cut(router, original, hidden):
+        logits, weights, ids = original(hidden)
+        at = flat.to(weights.device)
+        if not at.any():
+            return logits, weights, ids
+        # Qwen's router renormalises its top-K to sum to one, so their share is the weight itself.
+        head = weights[at].float()
+        if kept_mass is not None:
+            kept_mass.append(float(head[:, :keep].sum(-1).mean()))
+        # topk returns the experts sorted by weight: the first `keep` slots are the ones kept; with
+        # none kept the MoE layer adds nothing there (how much the experts matter at all).
+        head[:, keep:] = 0
+        weights = weights.clone()
+        weights[at] = (head / head.sum(-1, keepdim=True).clamp(min=1e-30)).to(weights.dtype)
+        return logits, weights, ids
+
+    saved = [r.forward for r in routers]
+    try:
+        for r, original in zip(routers, saved):
+            r.forward = functools.partial(cut, r, original)
+        yield
+    finally:
+        for r, original in zip(routers, saved):
+            r.forward = original
+
+
+def answer_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The answer tokens as inputs (labels are the ids there): the rows decode steps compute."""
+    return labels != -100
+
+
+def answer_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over each example's answer tokens: [batch]."""
+    target = labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target.clamp(min=0),
+                                            reduction="none")
+    scored = target != -100
+    return (nll * scored).sum(1) / scored.sum(1).clamp(min=1)
+
+
+def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), split: str = "validation",
+          batch: int = 8, device: str | None = None) -> dict:
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from zipmoe.build.train_v2 import TaskSetV2Dataset, answer_texts, to_device
+    from zipmoe.build.train_v2_vision import PACKED_IMAGE_ATTENTION, grid_cached_vision_inputs
+    from zipmoe.prompt import ChatPrompt
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32).to(dev)
+    model.config.vision_config._attn_implementation = PACKED_IMAGE_ATTENTION
+    grid_cached_vision_inputs(model.model.visual)
+    top_k = model.config.text_config.num_experts_per_tok
+    data = TaskSetV2Dataset(checkpoint, split, n)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, collate_fn=functools.partial(
+        collate, pad_id=model.config.text_config.pad_token_id, image_token=model.config.image_token_id))
+    tokenizer = ChatPrompt(checkpoint).tokenizer
+    temporal = model.config.vision_config.temporal_patch_size
+    on_device = functools.partial(to_device, dev=dev, temporal=temporal)
+    sums = {k: {"loss": 0.0, "f1": 0.0, "mass": []} for k in keeps}
+    tasks: list[str] = []
+    model.eval()
+    for data_batch in tqdm(loader, desc=f"{split} batches, keep {'/'.join(map(str, keeps))}"):
+        tasks += [ts.TASKS[t] for t in data_batch.pop("task").tolist()]
+        for training_only in ("readings", "attend"):
+            data_batch.pop(training_only, None)
+        data_batch = on_device(data_batch)
+        labels = data_batch["labels"]
+        for k in keeps:
+            mass: list[float] = []
+            with truncated_routing(model, min(k, top_k), answer_rows(labels), mass), torch.no_grad(), autocast(dev):
+                logits = model(**data_batch).logits
+            sums[k]["loss"] += float(answer_nll(logits, labels).sum())
+            sums[k]["f1"] += sum(token_f1(p, r) for p, r in zip(*answer_texts(logits, labels, tokenizer)))
+            sums[k]["mass"] += mass
+    rows = [{"keep": k, "answer_loss": round(s["loss"] / len(tasks), 4), "f1": round(s["f1"] / len(tasks), 4),
+             "top_weight_kept": round(sum(s["mass"]) / len(s["mass"]), 4)} for k, s in sums.items()]
+    return {"checkpoint": str(checkpoint), "split": split, "n": len(tasks), "top_k": top_k, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=Path, required=True, help="a task set v2 checkpoint (build/train_v2.py)")
+    p.add_argument("--n", type=int, default=64, help="validation examples")
+    p.add_argument("--keep", default="8,4,2", help="experts kept per answer token, comma-separated")
+    p.add_argument("--split", default="validation", choices=("validation", "test"))
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", type=Path, help="writes the result as JSON")
+    a = p.parse_args(argv)
+    result = probe(a.checkpoint, a.n, tuple(int(k) for k in a.keep.split(",")), a.split, device=a.device)
+    print(f"{result['checkpoint']}: {result['n']} {result['split']} examples, router top-{result['top_k']}")
+    print(" keep  answer loss  token F1  top-K weight kept")
+    for r in result["rows"]:
+        print(f"{r['keep']:5d}  {r['answer_loss']:11.4f}  {r['f1']:8.4f}  {r['top_weight_kept']:17.4f}")
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
