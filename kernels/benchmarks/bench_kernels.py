@@ -1,7 +1,7 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,router,qkv,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,out_proj,qkv,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
@@ -10,6 +10,9 @@ Every time is read against the device-copy bandwidth measured in the same run. P
 - router: the router's GEMM and top-K in one launch (`layer_ops.fused_router`) vs cuBLAS's GEMM
   then `topk_softmax`, 48 layers' gates in a graph, per layer. `layer_ops.router` takes the faster
   of the two per batch size (ROUTER_MAX_T), from this part's numbers.
+- out_proj: the attention's output projection, residual add and RMSNorm in one launch
+  (`fused_out_proj_add_rms_norm`, a candidate the engine does not take yet) vs cuBLAS's GEMM then
+  `add_rms_norm`, the same way.
 - qkv: the q/k/v projection, q/k norm, RoPE and cache write in one launch
   (`fused_qkv_norm_rope_cache`) vs cuBLAS's GEMM then `qk_norm_rope_cache`, the same way; likewise
   behind QKV_MAX_T.
@@ -37,7 +40,8 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels.layer_ops import fused_router, qk_norm_rope_cache, topk_softmax
+from zipmoe.kernels.layer_ops import add_rms_norm, fused_router, qk_norm_rope_cache, topk_softmax
+from zipmoe.kernels.out_proj_norm import fused_out_proj_add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_qkv_norm_rope_cache
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
@@ -125,6 +129,23 @@ def bench_router(batches=(1, 16, 64, 128)) -> list[dict]:
             ("triton", lambda gate: fused_router(x, gate, K, True)),
             ("cublas+topk_softmax", lambda gate: topk_softmax(torch.nn.functional.linear(x, gate), K, True, x.dtype)),
         ), gates, E * H * 2 + B * H * 2)
+    return rows
+
+
+def bench_out_proj(batches=(1, 4, 16)) -> list[dict]:
+    """Per layer: 48 layers' o projections (805 MB), the projection + residual add + RMSNorm in one
+    launch (`fused_out_proj_add_rms_norm`, not yet taken by the engine) against cuBLAS's GEMM then
+    `add_rms_norm`, the engine's three launches."""
+    N, K = CFG.hidden_size, CFG.num_heads * CFG.head_dim
+    weights = layer_weights((N, K))
+    norm = torch.ones(N, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for B in batches:
+        h, attn = _activation(B, N), _activation(B, K)
+        rows += per_layer_rows("out_proj", B, (
+            ("triton", lambda w: fused_out_proj_add_rms_norm(h, attn, w, norm, 1e-6)),
+            ("cublas+add_rms_norm", lambda w: add_rms_norm(h, torch.nn.functional.linear(attn, w), norm, 1e-6)),
+        ), weights, N * K * 2 + B * (K + 4 * N) * 2)
     return rows
 
 
@@ -287,7 +308,7 @@ def plot(result: dict, out: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/kernels_h200")
-    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,qkv,importance,paged")
+    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,out_proj,qkv,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -322,6 +343,8 @@ def main(argv=None) -> int:
             save(bench_sere())
         if "router" in parts:
             save(bench_router())
+        if "out_proj" in parts:
+            save(bench_out_proj())
         if "qkv" in parts:
             save(bench_qkv())
         if "importance" in parts:
