@@ -39,10 +39,12 @@ def truncated_routing(model, keep: int, rows: torch.Tensor, kept_mass: list[floa
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     flat = rows.reshape(-1)
 
-    def cut(router, original, hidden):
+    def cut(original, hidden):
         logits, weights, ids = original(hidden)
         at = flat.to(weights.device)
-        if not at.any():
+        if keep >= weights.shape[-1] or not at.any():  # every expert kept: the model as trained, bit for bit
+            if kept_mass is not None and at.any():
+                kept_mass.append(1.0)
             return logits, weights, ids
         # Qwen's router renormalises its top-K to sum to one, so their share is the weight itself.
         head = weights[at].float()
@@ -55,14 +57,13 @@ def truncated_routing(model, keep: int, rows: torch.Tensor, kept_mass: list[floa
         weights[at] = (head / head.sum(-1, keepdim=True).clamp(min=1e-30)).to(weights.dtype)
         return logits, weights, ids
 
-    saved = [r.forward for r in routers]
     try:
-        for r, original in zip(routers, saved):
-            r.forward = functools.partial(cut, r, original)
+        for r in routers:  # an instance attribute over the class's forward, deleted after
+            r.forward = functools.partial(cut, r.forward)
         yield
     finally:
-        for r, original in zip(routers, saved):
-            r.forward = original
+        for r in routers:
+            r.__dict__.pop("forward", None)
 
 
 def answer_rows(labels: torch.Tensor) -> torch.Tensor:

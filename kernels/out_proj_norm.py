@@ -15,7 +15,8 @@ the 30B shape, each reading 64 kB; three steps, each closed by `kernels/arrivals
      of h and their rows' float32 sum of squares;
   3. the last column block to arrive sums the squares and writes the normed rows.
 The engine keeps its three launches until `bench_kernels --parts out_proj` shows this faster
-(`engine/model.py` is then a one-line change); tested here in Triton's interpreter and on CUDA.
+(`engine/model.py` is then a one-line change). Tested in Triton's interpreter; the CUDA tests
+(`tests/test_kernel_out_proj_norm.py`, 30B shape, in a CUDA graph) have not run yet.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ OUT_BLOCK_N = 128  # output columns per program
 OUT_BLOCK_K = 128  # input columns per loop iteration
 OUT_MAX_SPLIT = 16  # splits of the input width: 16 column blocks x 16 = 256 programs at the 30B shape
 OUT_MAX_BLOCKS = 64  # column blocks one launch serves (8,192 columns): one arrival counter each, plus one
-NORM_ROWS = 4  # rows the last program norms at once
 
 
 def out_proj_add_rms_norm_reference(h: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor,
@@ -44,9 +44,9 @@ def out_proj_add_rms_norm_reference(h: torch.Tensor, attn: torch.Tensor, weight:
 
 @triton.jit
 def _out_proj_norm_kernel(a_ptr, w_ptr, h_ptr, nw_ptr, partial_ptr, squares_ptr, arrivals_ptr, h_out_ptr,
-                          x_out_ptr, T, N, K, K_PER_SPLIT, eps, N_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
-                          MAX_BLOCKS: tl.constexpr, NORM_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          x_out_ptr, T, N, K, K_PER_SPLIT, eps, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     # arrivals: one counter per column block (step 2), then the launch's own at MAX_BLOCKS (step 3).
     block, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     block_count = tl.num_programs(0)
@@ -73,20 +73,20 @@ def _out_proj_norm_kernel(a_ptr, w_ptr, h_ptr, nw_ptr, partial_ptr, squares_ptr,
         h32 = h.to(tl.float32)
         tl.store(squares_ptr + block * T + rows, tl.sum(h32 * h32, axis=1), mask=rows < T)
         if last_to_arrive(arrivals_ptr + MAX_BLOCKS, block_count):
-            c = tl.arange(0, N_PAD)
-            nw = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-            for r0 in range(0, T, NORM_ROWS):
-                r = (r0 + tl.arange(0, NORM_ROWS)).to(tl.int64)
-                sq = tl.zeros([NORM_ROWS], dtype=tl.float32)
-                for b in range(0, block_count):
-                    sq += tl.load(squares_ptr + b * T + r, mask=r < T, other=0.0, cache_modifier=".cg")
-                row_ok = (r[:, None] < T) & (c[None, :] < N)
+            # Every row's sum of squares is known now, so the rows are normed a column block at a
+            # time ([BLOCK_T, BLOCK_N] tiles, as the steps before), not whole rows in registers.
+            sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for b in range(0, block_count):
+                sq += tl.load(squares_ptr + b * T + rows, mask=rows < T, other=0.0, cache_modifier=".cg")
+            inv = tl.rsqrt(sq / N + eps)[:, None]
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + tl.arange(0, BLOCK_N)
+                tile_ok = (rows[:, None] < T) & (c[None, :] < N)
+                at = rows[:, None] * N + c[None, :]
                 # .cg: the other column blocks' h is in L2, never in this SM's L1.
-                hr = tl.load(h_out_ptr + r[:, None] * N + c[None, :], mask=row_ok, other=0.0,
-                             cache_modifier=".cg").to(tl.float32)
-                normed = (hr * tl.rsqrt(sq / N + eps)[:, None]).to(dtype)
-                tl.store(x_out_ptr + r[:, None] * N + c[None, :], (nw[None, :] * normed.to(tl.float32)).to(dtype),
-                         mask=row_ok)
+                hc = tl.load(h_out_ptr + at, mask=tile_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                nw = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+                tl.store(x_out_ptr + at, (nw[None, :] * (hc * inv).to(dtype).to(tl.float32)).to(dtype), mask=tile_ok)
 
 
 def fused_out_proj_add_rms_norm(h: torch.Tensor, attn: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -97,9 +97,13 @@ def fused_out_proj_add_rms_norm(h: torch.Tensor, attn: torch.Tensor, weight: tor
     N = weight.shape[0]
     if T > OUT_BLOCK_T:
         raise ValueError(f"fused_out_proj_add_rms_norm serves at most {OUT_BLOCK_T} tokens, got {T}")
-    if tuple(weight.shape) != (N, K) or tuple(h.shape) != (T, N) or triton.cdiv(N, OUT_BLOCK_N) > OUT_MAX_BLOCKS:
-        raise ValueError(f"h {tuple(h.shape)}, attn {tuple(attn.shape)}, weight {tuple(weight.shape)}: not "
-                         f"[T, N], [T, K], [N, K] with N at most {OUT_MAX_BLOCKS * OUT_BLOCK_N}")
+    if (tuple(weight.shape) != (N, K) or tuple(h.shape) != (T, N) or tuple(norm_weight.shape) != (N,)
+            or triton.cdiv(N, OUT_BLOCK_N) > OUT_MAX_BLOCKS):
+        raise ValueError(f"h {tuple(h.shape)}, attn {tuple(attn.shape)}, weight {tuple(weight.shape)}, norm weight "
+                         f"{tuple(norm_weight.shape)}: not [T, N], [T, K], [N, K], [N] with N at most "
+                         f"{OUT_MAX_BLOCKS * OUT_BLOCK_N}")
+    if len({t.device for t in (h, attn, weight, norm_weight)}) > 1:
+        raise ValueError("h, attn, weight and norm weight must be on one device")
     if not h.dtype == attn.dtype == weight.dtype:
         raise ValueError(f"h, attn and weight must share a dtype, got {h.dtype}, {attn.dtype}, {weight.dtype}")
     h = h.contiguous()
@@ -110,11 +114,10 @@ def fused_out_proj_add_rms_norm(h: torch.Tensor, attn: torch.Tensor, weight: tor
         partial = torch.empty(split, T, N, dtype=torch.float32, device=h.device)
         squares = torch.empty(blocks, T, dtype=torch.float32, device=h.device)
         _out_proj_norm_kernel[(blocks, split)](
-            attn.contiguous(), weight.contiguous(), h, norm_weight, partial, squares,
+            attn.contiguous(), weight.contiguous(), h, norm_weight.contiguous(), partial, squares,
             arrival_counters("out_proj_norm", h.device, OUT_MAX_BLOCKS + 1), h_out, x_out, T, N, K,
-            split_width(K, split, OUT_BLOCK_K), eps, N_PAD=triton.next_power_of_2(N), BLOCK_T=OUT_BLOCK_T,
-            BLOCK_N=OUT_BLOCK_N, BLOCK_K=OUT_BLOCK_K, MAX_SPLIT=OUT_MAX_SPLIT, MAX_BLOCKS=OUT_MAX_BLOCKS,
-            NORM_ROWS=NORM_ROWS,
+            split_width(K, split, OUT_BLOCK_K), eps, BLOCK_T=OUT_BLOCK_T, BLOCK_N=OUT_BLOCK_N,
+            BLOCK_K=OUT_BLOCK_K, MAX_SPLIT=OUT_MAX_SPLIT, MAX_BLOCKS=OUT_MAX_BLOCKS,
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
             DOT_PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2)  # 2 iterations a program at the 30B shape, as qkv_norm_rope

@@ -134,6 +134,14 @@ def test_router_matches_reference(device, T, H, E, K, normalize, impl):
             assert (ids == ids_ref).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("T", [ROUTER_MAX_T, ROUTER_MAX_T + 1])
+def test_router_op_schema_and_fake(T):
+    """On both sides of ROUTER_MAX_T (the one launch, then the GEMM and `topk_softmax`)."""
+    x, gate = torch.randn(T, 64), torch.randn(16, 64)
+    torch.library.opcheck(torch.ops.zipmoe.router.default, (x, gate, 4, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_fused_router_refuses_more_tokens_than_its_counters():
     x, gate = torch.randn(257, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="at most 256 tokens"):

@@ -23,10 +23,11 @@ def _case(device, T, N, K, seed=0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,N,K", [(1, 50, 96), (5, 300, 2100), (OUT_BLOCK_T, 80, 64)])
+@pytest.mark.parametrize("T,N,K", [(1, 50, 96), (5, 300, 2100), (OUT_BLOCK_T, 257, 130)])
 def test_fused_out_proj_add_rms_norm_matches_reference(device, T, N, K):
     """One token; columns in three blocks, the last short, and an input width split 16 ways
-    unevenly (splits left empty), rows in several norm chunks; a full token tile. Twice in a row:
+    unevenly (splits left empty); a full token tile over three blocks, the last of one column.
+    Twice in a row:
     the arrival counters must be back at zero."""
     h, attn, w, nw, tol = _case(device, T, N, K)
     want = out_proj_add_rms_norm_reference(h, attn, w, nw, 1e-6)
@@ -55,8 +56,9 @@ def test_fused_out_proj_add_rms_norm_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match=f"at most {OUT_BLOCK_T} tokens"):
         fused_out_proj_add_rms_norm(h, attn, w, nw, 1e-6)
     h, attn, w, nw, _ = _case("cpu", 2, 32, 48)
-    with pytest.raises(ValueError, match="not \\[T, N\\], \\[T, K\\], \\[N, K\\]"):
-        fused_out_proj_add_rms_norm(h, attn, w[:, :40], nw, 1e-6)
+    for bad in ((h, attn, w[:, :40], nw), (h[:, :30], attn, w, nw), (h, attn, w, nw[:10])):
+        with pytest.raises(ValueError, match="not \\[T, N\\], \\[T, K\\], \\[N, K\\], \\[N\\]"):
+            fused_out_proj_add_rms_norm(*bad, 1e-6)
 
 
 @pytest.mark.gpu
