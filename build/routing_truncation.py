@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from zipmoe.build import taskset_v2 as ts
-from zipmoe.build.training import autocast, collate
+from zipmoe.build.training import autocast, collate, eval_batches
 from zipmoe.clients.quality_metrics import token_f1
 
 
@@ -34,18 +34,17 @@ from zipmoe.clients.quality_metrics import token_f1
 def truncated_routing(model, keep: int, rows: torch.Tensor, kept_mass: list[float] | None = None):
     """Within the block, every MoE router of `model` (a Qwen3-VL-MoE) keeps only its `keep`
     highest-weighted experts at the flattened token rows where `rows` ([batch, tokens] bool) is
-    set, renormalised (keep 0: no expert there). kept_mass: gets, per layer call, the mean share of
-    the top-K weight those experts held at those rows."""
+    set, renormalised (keep 0: no expert there); rows on the model's device. kept_mass: gets, per
+    layer call, the mean share of the top-K weight those experts held at those rows. With `keep` at
+    least the top-K, or no rows, the model runs as trained, untouched."""
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-    flat = rows.reshape(-1)
+    at = rows.reshape(-1)
+    if not routers or keep >= routers[0].top_k or not bool(at.any()):  # decided once, not per layer
+        yield
+        return
 
     def cut(original, hidden):
         logits, weights, ids = original(hidden)
-        at = flat.to(weights.device)
-        if keep >= weights.shape[-1] or not at.any():  # every expert kept: the model as trained, bit for bit
-            if kept_mass is not None and at.any():
-                kept_mass.append(1.0)
-            return logits, weights, ids
         # Qwen's router renormalises its top-K to sum to one, so their share is the weight itself.
         head = weights[at].float()
         if kept_mass is not None:
@@ -102,17 +101,18 @@ def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), spl
     on_device = functools.partial(to_device, dev=dev, temporal=temporal)
     sums = {k: {"loss": 0.0, "f1": 0.0, "mass": []} for k in keeps}
     tasks: list[str] = []
-    model.eval()
-    for data_batch in tqdm(loader, desc=f"{split} batches, keep {'/'.join(map(str, keeps))}"):
-        tasks += [ts.TASKS[t] for t in data_batch.pop("task").tolist()]
-        for training_only in ("readings", "attend"):
-            data_batch.pop(training_only, None)
-        data_batch = on_device(data_batch)
+    batches = tqdm(loader, desc=f"{split} batches, keep {'/'.join(map(str, keeps))}")
+    for task, data_batch, out in eval_batches(model, batches, dev, on_device):
+        tasks += [ts.TASKS[t] for t in task.tolist()]
+        data_batch.pop("attend", None)
         labels = data_batch["labels"]
         for k in keeps:
-            mass: list[float] = []
-            with truncated_routing(model, min(k, top_k), answer_rows(labels), mass), torch.no_grad(), autocast(dev):
-                logits = model(**data_batch).logits
+            mass = [1.0]  # every expert kept: eval_batches' own forward is the model as trained
+            logits = out.logits
+            if k < top_k:
+                mass = []
+                with truncated_routing(model, k, answer_rows(labels), mass), torch.no_grad(), autocast(dev):
+                    logits = model(**data_batch).logits
             sums[k]["loss"] += float(answer_nll(logits, labels).sum())
             sums[k]["f1"] += sum(token_f1(p, r) for p, r in zip(*answer_texts(logits, labels, tokenizer)))
             sums[k]["mass"] += mass

@@ -62,9 +62,7 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
     row_ok = rows[:, None] < T
     tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
     if last_to_arrive(arrivals_ptr + head, split_count):
-        # The head's columns, and the same columns rotated by half (the rotate-half partner).
         x32 = sum_splits(partial_ptr, rows, cols, T, NCOLS, split_count, row_ok, MAX_SPLIT)
-        p32 = sum_splits(partial_ptr, rows, head * D + (d + HALF) % D, T, NCOLS, split_count, row_ok, MAX_SPLIT)
         dtype = q_out_ptr.dtype.element_ty
         x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
         slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
@@ -73,17 +71,16 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
         else:
             if head < HQ:
                 w = tl.load(qn_ptr + d).to(tl.float32)
-                w_partner = tl.load(qn_ptr + (d + HALF) % D).to(tl.float32)
             else:
                 w = tl.load(kn_ptr + d).to(tl.float32)
-                w_partner = tl.load(kn_ptr + (d + HALF) % D).to(tl.float32)
             xr = x.to(tl.float32)
-            pr = p32.to(dtype).to(tl.float32)
             inv = tl.rsqrt(tl.sum(xr * xr, axis=1) / D + eps)[:, None]
             # Round where PyTorch rounds, as qk_norm_rope_cache does: normalise (f32) -> dtype,
             # * weight -> dtype, then the rotation.
             xn = (w[None, :] * (xr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            pn = (w_partner[None, :] * (pr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            # The rotate-half partner of column d is column (d + D/2) % D of the same normed head:
+            # its two halves swapped in registers, not read again.
+            pn = tl.reshape(tl.flip(tl.reshape(xn, [BLOCK_T, 2, HALF]), 1), [BLOCK_T, D])
             rotated = tl.where(d[None, :] < HALF, -pn, pn)
             cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
