@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .dependent_launch import launch_options, wait_for_inputs
+
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
@@ -106,12 +108,13 @@ def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 @triton.jit
 def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, S, E, G,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr, T_PAD: tl.constexpr,
-                  G_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr):
+                  G_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, PDL: tl.constexpr):
     # One program per expert, each reading the whole slot list (S is at most a few thousand ids, one
     # vector): a histogram gives every expert's count, hence this expert's first tile; a prefix sum of
     # "slot is mine" gives each of its slots' rank. No program waits on another, so the step costs one
     # short pass instead of a serial walk over the slots (a single program over 64-slot chunks took
     # 35 us at 64 tokens and 65 us at 128 on the H200, 13 % of a batch-64 decode step).
+    wait_for_inputs(PDL)
     e = tl.program_id(0)
     slot = tl.arange(0, S_PAD)
     ids = tl.load(ids_ptr + slot, mask=slot < S, other=E).to(tl.int32)  # padding lanes land in bin E
@@ -153,7 +156,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     _align_kernel[(num_experts,)](ids.reshape(-1), tile_slots, tile_expert, S, num_experts, G,
                                  BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1),
                                  S_PAD=triton.next_power_of_2(S), T_PAD=triton.next_power_of_2(triton.cdiv(S, block_m)),
-                                 G_PAD=triton.next_power_of_2(G), PAD_CHUNK=256, num_warps=4)
+                                 G_PAD=triton.next_power_of_2(G), PAD_CHUNK=256, num_warps=4,
+                                 **launch_options(ids.device))
     return tile_slots, tile_expert
 
 
@@ -168,7 +172,8 @@ def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)  # the tile's expert comes from the router: nothing to fetch before
     pid_n = tl.program_id(1)
     expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
     if expert < 0:
@@ -197,7 +202,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(1)
     expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
     if expert < 0:
@@ -254,7 +261,7 @@ def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   # float32 weights (tests, the tiny model on CUDA) match the float32 reference, not TF32.
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     _gate_up_kernel[(G, triton.cdiv(I, cfg.block_n))](
         x.contiguous(), gate_up, hidden, tile_slots, tile_expert, S, H, I, TOP_K=K, **launch)
     _down_kernel[(G, triton.cdiv(H, cfg.block_n))](

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
+from .dependent_launch import launch_options, prefetch_l2, wait_for_inputs
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -53,7 +54,8 @@ def sum_slots(delta: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
-                         HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -77,7 +79,8 @@ def _launch_norm(h, delta, weight, eps, h_out, x_out):
         _add_rms_norm_kernel[(T,)](h, delta if delta is not None else h, weight, h_out, x_out, N, eps,
                                    HAS_DELTA=delta is not None,
                                    SLOTS=delta.shape[1] if delta is not None and delta.dim() == 3 else 1,
-                                   BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8)
+                                   BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 4096 else 8,
+                                   **launch_options(h.device))
 
 
 @torch.library.custom_op("zipmoe::rms_norm", mutates_args=())
@@ -131,7 +134,8 @@ def qk_norm_rope_cache_reference(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, q_out_ptr,
-                               eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                               eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, D)
@@ -176,7 +180,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Te
     if T:
         _qk_norm_rope_cache_kernel[(T, num_heads + 2 * num_kv_heads)](
             qkv.contiguous(), q_norm, k_norm, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, q, eps,
-            HQ=num_heads, HKV=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2)
+            HQ=num_heads, HKV=num_kv_heads, D=D, num_warps=1 if D <= 128 else 2, **launch_options(qkv.device))
     return q
 
 
@@ -225,7 +229,8 @@ def _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.cons
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, probs_ptr, ids_ptr, w_ptr, T, E, K: tl.constexpr, E_PAD: tl.constexpr,
-                         K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+                         K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # one token a program
     e = tl.arange(0, E_PAD)
     logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=e[None, :] < E, other=0.0).to(tl.float32)
@@ -243,7 +248,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, normalize: bool,
     if T:
         _topk_softmax_kernel[(T,)](logits.contiguous(), probs, ids, weights, T, E, K=top_k,
                                    E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
-                                   NORMALIZE=normalize, num_warps=1 if E <= 256 else 4)
+                                   NORMALIZE=normalize, num_warps=1 if E <= 256 else 4, **launch_options(logits.device))
     return probs, ids, weights
 
 
@@ -288,7 +293,7 @@ def router_split(T: int, H: int, E: int) -> int:
 def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E, H_PER_SPLIT,
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
                    MAX_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # Program (tile, expert block, split) sums BLOCK_T x BLOCK_E logits over its H_PER_SPLIT hidden
     # columns in float32; the last program of a token tile to check in (`kernels/arrivals.py`) sums
     # the splits, rounds to x's dtype as F.linear rounds its logits, and does topk_softmax's work
@@ -296,8 +301,11 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
     tile, eb, split, split_count = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
     rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    h_end = tl.minimum((split + 1) * H_PER_SPLIT, H)
+    prefetch_l2(gate_ptr, tl.minimum(experts, E - 1), H, split * H_PER_SPLIT, h_end, PREFETCH)
+    wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(split * H_PER_SPLIT, tl.minimum((split + 1) * H_PER_SPLIT, H), BLOCK_H):
+    for h0 in range(split * H_PER_SPLIT, h_end, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         xs = tl.load(x_ptr + rows[:, None] * H + h[None, :], mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0)
         gs = tl.load(gate_ptr + experts[:, None] * H + h[None, :], mask=(experts[:, None] < E) & (h[None, :] < H),
@@ -334,7 +342,8 @@ def fused_router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
                              NORMALIZE=normalize, MAX_SPLIT=ROUTER_MAX_SPLIT, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E,
                              BLOCK_H=ROUTER_BLOCK_H,
                              # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
-                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+                             **launch_options(x.device, prefetch=True))
     return probs, ids, weights
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .dependent_launch import launch_options, wait_for_inputs
+
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
@@ -51,7 +53,8 @@ def oea_reroute_reference(probs: torch.Tensor, ids: torch.Tensor, weights: torch
 def _oea_kernel(probs_ptr, ids_ptr, weights_ptr, opt_out_ptr, out_ids_ptr, out_w_ptr, T, E,
                 K: tl.constexpr, K0: tl.constexpr, NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr,
                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, K0_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                CHUNK_T: tl.constexpr):
+                CHUNK_T: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     experts = tl.arange(0, E_PAD)
     # The union of every token's top-k0, rebuilt by each program (no cross-program sync).
     union = tl.zeros([E_PAD], dtype=tl.int32)
@@ -118,7 +121,7 @@ def oea_reroute(probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, o
         probs.contiguous(), ids, weights, opt_out if opt_out is not None else ids, out_ids, out_w, T, E,
         K=K, K0=k0, NORMALIZE=normalize, HAS_OPT_OUT=opt_out is not None, BLOCK_T=block_t,
         K_PAD=triton.next_power_of_2(K), K0_PAD=triton.next_power_of_2(k0), E_PAD=triton.next_power_of_2(E),
-        CHUNK_T=max(1, 64 // triton.next_power_of_2(k0)), num_warps=4)
+        CHUNK_T=max(1, 64 // triton.next_power_of_2(k0)), num_warps=4, **launch_options(ids.device))
     return out_ids, out_w
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .arrivals import arrival_counters, last_to_arrive
+from .dependent_launch import launch_options, wait_for_inputs
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -74,8 +75,9 @@ def _partition_kernel(
     table_len,  # keys the block table can name: a longer context is read no further (as the reference)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -217,7 +219,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     return out
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .dependent_launch import launch_options, wait_for_inputs
+
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
@@ -40,7 +42,9 @@ def sere_reroute_reference(ids: torch.Tensor, similarity: torch.Tensor, protect:
 @triton.jit
 def _sere_kernel(ids_ptr, sim_ptr, protect_ptr, opt_out_ptr, out_ptr, T, E, threshold,
                  K: tl.constexpr, K1: tl.constexpr, HAS_OPT_OUT: tl.constexpr,
-                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+                 BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     # The batch's primary set, rebuilt by every program so that none waits on another: one
     # histogram over all tokens' first K1 ids (a few hundred at most). Padding lanes repeat token
     # 0's first id, which is always a primary, so they add nothing.
@@ -97,7 +101,7 @@ def launch_sere(ids: torch.Tensor, similarity: torch.Tensor, protect: torch.Tens
         ids, similarity.contiguous(), protect.contiguous(), opt_out if opt_out is not None else ids, out,
         T, E, float(threshold), K=K, K1=primary_k, HAS_OPT_OUT=opt_out is not None,
         BLOCK_T=block_t, K_PAD=triton.next_power_of_2(K), E_PAD=triton.next_power_of_2(E),
-        P_PAD=triton.next_power_of_2(T * primary_k), num_warps=num_warps)
+        P_PAD=triton.next_power_of_2(T * primary_k), num_warps=num_warps, **launch_options(ids.device))
     return out
 
 

@@ -1,5 +1,6 @@
 """The engine on CUDA: Triton kernels and CUDA-graph decode give what the eager CUDA path gives,
-and what the CPU reference gives (H200; skipped without CUDA)."""
+and what the CPU reference gives; chained by programmatic dependent launch, what they give
+without it (H200; skipped without CUDA)."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,8 @@ from zipmoe.engine.cuda_graphs import bucket_sizes
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels import dependent_launch
+from zipmoe.kernels.dependent_launch import launch_options
 
 PROMPTS = [list(range(10 + 3 * i, 40 + 5 * i)) for i in range(11)]
 
@@ -81,3 +84,25 @@ def test_cuda_float32_logits_match_cpu_reference(tiny_checkpoint, monkeypatch):
     assert same.any()
     # The first decode step, for the sequences whose first token agreed (the same inputs on both).
     torch.testing.assert_close(cuda[1][same], cpu[1][same], rtol=1e-3, atol=1e-3)
+
+
+def test_dependent_launch_is_off_without_cuda_and_when_switched_off(monkeypatch):
+    assert launch_options(torch.device("cpu")) == {"PDL": False}  # the interpreter has no grid control
+    assert launch_options(torch.device("cpu"), prefetch=True) == {"PDL": False, "PREFETCH": False}
+    if torch.cuda.is_available():
+        monkeypatch.setattr(dependent_launch, "_enabled", False)
+        assert launch_options(torch.device("cuda")) == {"PDL": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_dependent_launch_changes_no_token(tiny_checkpoint, graphs, monkeypatch):
+    """The decode step's kernels chained by PDL (each waiting for its inputs, weights prefetched
+    before) give exactly the tokens they give launched one after another."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    monkeypatch.setattr(dependent_launch, "_enabled", True)
+    chained = run(tiny_checkpoint, "cuda", SerePolicy(*sere_tables("cuda"), primary_k=2, threshold=0.0), graphs=graphs)
+    monkeypatch.setattr(dependent_launch, "_enabled", False)
+    plain = run(tiny_checkpoint, "cuda", SerePolicy(*sere_tables("cuda"), primary_k=2, threshold=0.0), graphs=graphs)
+    assert chained == plain

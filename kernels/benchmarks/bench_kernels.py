@@ -1,7 +1,7 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,router,out_proj,qkv,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,qkv,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
@@ -10,17 +10,18 @@ Every time is read against the device-copy bandwidth measured in the same run. P
 - router: the router's GEMM and top-K in one launch (`layer_ops.fused_router`) vs cuBLAS's GEMM
   then `topk_softmax`, 48 layers' gates in a graph, per layer. `layer_ops.router` takes the faster
   of the two per batch size (ROUTER_MAX_T), from this part's numbers.
-- out_proj: the attention's output projection, residual add and RMSNorm in one launch
-  (`fused_out_proj_add_rms_norm`, a candidate the engine does not take yet) vs cuBLAS's GEMM then
-  `add_rms_norm`, the same way.
 - qkv: the q/k/v projection, q/k norm, RoPE and cache write in one launch
   (`fused_qkv_norm_rope_cache`) vs cuBLAS's GEMM then `qk_norm_rope_cache`, the same way; likewise
-  behind QKV_MAX_T.
+  behind QKV_MAX_T. Both fused kernels also without PDL ("triton, no PDL"): their own time,
+  not overlapped with the next layer's launch.
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
   policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2: wall time of
-  engine.step() (TPOT) and the graph replay alone, with the union each policy produced.
+  engine.step() (TPOT) and the graph replay alone, with the union each policy produced. Two more
+  topk rows are the same-run references for programmatic dependent launch
+  (`kernels/dependent_launch.py`): "topk, no PDL" (every kernel launched after the one before has
+  finished) and "topk, PDL without prefetch" (chained, but no weight asked for before the wait).
 - prefill: the same engine prefilling 30 images' visual tokens (256 merged tokens each) at keep
   1.0 and 0.6 plus 64 text tokens, to the first token.
 Writes OUT.json ({"device", "copy_gbps", "rows": [...]}) and OUT.png.
@@ -40,8 +41,8 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels.layer_ops import add_rms_norm, fused_router, qk_norm_rope_cache, topk_softmax
-from zipmoe.kernels.out_proj_norm import fused_out_proj_add_rms_norm
+from zipmoe.kernels.layer_ops import fused_router, qk_norm_rope_cache, topk_softmax
+from zipmoe.kernels import dependent_launch
 from zipmoe.kernels.qkv_norm_rope import fused_qkv_norm_rope_cache
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
@@ -113,6 +114,18 @@ def per_layer_rows(bench: str, batch: int, impls, weights: list[torch.Tensor], b
     return rows
 
 
+def without_pdl(fn):
+    """fn with its kernels launched one after another (the setting is read at each launch, so in a
+    capture too)."""
+    def run(*args):
+        dependent_launch.set_enabled(False, False)
+        try:
+            return fn(*args)
+        finally:
+            dependent_launch.set_enabled(True, True)
+    return run
+
+
 def _activation(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
@@ -127,25 +140,9 @@ def bench_router(batches=(1, 16, 64, 128)) -> list[dict]:
         x = _activation(B, H)
         rows += per_layer_rows("router", B, (
             ("triton", lambda gate: fused_router(x, gate, K, True)),
+            ("triton, no PDL", without_pdl(lambda gate: fused_router(x, gate, K, True))),
             ("cublas+topk_softmax", lambda gate: topk_softmax(torch.nn.functional.linear(x, gate), K, True, x.dtype)),
         ), gates, E * H * 2 + B * H * 2)
-    return rows
-
-
-def bench_out_proj(batches=(1, 4, 16)) -> list[dict]:
-    """Per layer: 48 layers' o projections (805 MB), the projection + residual add + RMSNorm in one
-    launch (`fused_out_proj_add_rms_norm`, not yet taken by the engine) against cuBLAS's GEMM then
-    `add_rms_norm`, the engine's three launches."""
-    N, K = CFG.hidden_size, CFG.num_heads * CFG.head_dim
-    weights = layer_weights((N, K))
-    norm = torch.ones(N, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for B in batches:
-        h, attn = _activation(B, N), _activation(B, K)
-        rows += per_layer_rows("out_proj", B, (
-            ("triton", lambda w: fused_out_proj_add_rms_norm(h, attn, w, norm, 1e-6)),
-            ("cublas+add_rms_norm", lambda w: add_rms_norm(h, torch.nn.functional.linear(attn, w), norm, 1e-6)),
-        ), weights, N * K * 2 + B * (K + 4 * N) * 2)
     return rows
 
 
@@ -162,6 +159,7 @@ def bench_qkv(batches=(1, 4, 16)) -> list[dict]:
         args = (norm, norm, cos, sin, k_cache, v_cache, torch.arange(B, device="cuda"), 1e-6, hq, hkv)
         rows += per_layer_rows("qkv", B, (
             ("triton", lambda w: fused_qkv_norm_rope_cache(x, w, *args)),
+            ("triton, no PDL", without_pdl(lambda w: fused_qkv_norm_rope_cache(x, w, *args))),
             ("cublas+qk_norm_rope_cache", lambda w: qk_norm_rope_cache(torch.nn.functional.linear(x, w), *args)),
         ), weights, weights[0].numel() * 2 + B * H * 2)
     return rows
@@ -191,11 +189,16 @@ def build_engine(max_num_seqs: int = 64) -> LLMEngine:
 
 def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: int = 24) -> list[dict]:
     dev = torch.device("cuda")
-    policies = {"topk": RoutingPolicy(), "sere K'=2 rho=0": random_sere(dev), "oea k0=2": OeaPolicy(2)}
+    # (row name, policy, PDL, weights prefetched before the wait): the policies as the engine runs
+    # them, then the references for PDL.
+    variants = (("topk", RoutingPolicy(), True, True), ("sere K'=2 rho=0", random_sere(dev), True, True),
+                ("oea k0=2", OeaPolicy(2), True, True), ("topk, no PDL", RoutingPolicy(), False, False),
+                ("topk, PDL without prefetch", RoutingPolicy(), True, False))
     g = torch.Generator().manual_seed(0)
     rows = []
-    for name, policy in policies.items():
-        engine.set_routing_policy(policy)
+    for name, policy, pdl, prefetch in variants:
+        dependent_launch.set_enabled(pdl, prefetch)
+        engine.set_routing_policy(policy)  # re-captures the graphs with these launches
         for B in DECODE_BATCHES:
             seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
                                        SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for _ in range(B)]
@@ -236,6 +239,7 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 engine.abort(s)
             while engine.has_work:  # the step still in flight is read back (its tokens dropped)
                 engine.step()
+    dependent_launch.set_enabled(True, True)
     engine.set_routing_policy(RoutingPolicy())
     return rows
 
@@ -308,7 +312,7 @@ def plot(result: dict, out: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/kernels_h200")
-    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,out_proj,qkv,importance,paged")
+    ap.add_argument("--parts", default="decode,prefill,moe,sere,router,qkv,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -343,8 +347,6 @@ def main(argv=None) -> int:
             save(bench_sere())
         if "router" in parts:
             save(bench_router())
-        if "out_proj" in parts:
-            save(bench_out_proj())
         if "qkv" in parts:
             save(bench_qkv())
         if "importance" in parts:

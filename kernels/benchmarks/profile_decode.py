@@ -6,7 +6,10 @@ Builds the same 48-layer dummy Qwen3-30B-A3B-shaped engine as bench_kernels (CUD
 `batch` 256-token text sequences into decode, then profiles a few replays of the captured decode
 graph with torch.profiler (CUPTI records each kernel a graph launches). Per batch it reports every
 kernel's time per step, its share of the step's kernel time, its launches per step and per layer,
-and the replay's wall time against the sum of its kernels (the gaps between them).
+and the replay's wall time against the sum of its kernels (the gaps between them). The graphs are
+captured without programmatic dependent launch (`kernels/dependent_launch.py`): with it, a
+kernel's recorded span starts at its early launch and includes its wait for the one before, so
+spans overlap and no kernel's own time shows; bench_kernels' decode rows time the step with it.
 Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
 """
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from zipmoe.engine.sequence import SamplingParams
+
+from zipmoe.kernels import dependent_launch
 
 from .bench_kernels import CFG, build_engine
 from .timing import copy_gbps, cuda_time_us
@@ -102,7 +107,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "steps": []}
+    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": False, "steps": []}
+    dependent_launch.set_enabled(False, False)  # each kernel's own time (module docstring)
     engine = build_engine()
     for batch in (int(b) for b in args.batches.split(",")):
         result["steps"].append(profile_step(engine, batch))

@@ -33,7 +33,7 @@ from .rope import MRope
 # sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
 # The attention's input projection comes with its q/k norms, RoPE and cache writes (one launch for
 # a single token); its output projection is cuBLAS's, then the residual add and the MoE's input
-# norm in one pass (a one-launch version measured slower: session 19, docs/PERFORMANCE.md).
+# norm in one pass (two one-launch versions measured slower: docs/PERFORMANCE.md).
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           qkv_norm_rope_cache=qkv_norm_rope_cache, router=layer_ops.router,
                           experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
