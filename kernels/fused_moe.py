@@ -44,8 +44,10 @@ class MoeConfig:
 # Tuned tile shapes per device and expert shape, written by
 # `python -m zipmoe.kernels.benchmarks.bench_kernels --sweep` (as vLLM keeps its fused-MoE configs).
 TUNED_CONFIGS = Path(__file__).with_name("fused_moe_configs.json")
-# The single-program aligner handles up to this many slots (a decode batch of 128 x top-8 is 1,024).
-ALIGN_MAX_SLOTS = 2048
+# The aligner (a program per expert, each over the whole slot list) handles up to this many slots:
+# a decode batch of 128 x top-8 is 1,024, a 1,024-token prefill chunk 8,192. Above it the reference
+# runs: about fifteen launches and a sort, whose host cost an eager prefill step pays every layer.
+ALIGN_MAX_SLOTS = 8192
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,7 +158,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     _align_kernel[(num_experts,)](ids.reshape(-1), tile_slots, tile_expert, S, num_experts, G,
                                  BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1),
                                  S_PAD=triton.next_power_of_2(S), T_PAD=triton.next_power_of_2(triton.cdiv(S, block_m)),
-                                 G_PAD=triton.next_power_of_2(G), PAD_CHUNK=256, num_warps=4,
+                                 G_PAD=triton.next_power_of_2(G), PAD_CHUNK=256, num_warps=4 if S <= 1024 else 16,
                                  **launch_options(ids.device))
     return tile_slots, tile_expert
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
-from .dependent_launch import launch_options, prefetch_l2, wait_for_inputs
+from .dependent_launch import launch_options, wait_for_inputs
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -293,7 +293,7 @@ def router_split(T: int, H: int, E: int) -> int:
 def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E, H_PER_SPLIT,
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
                    MAX_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # Program (tile, expert block, split) sums BLOCK_T x BLOCK_E logits over its H_PER_SPLIT hidden
     # columns in float32; the last program of a token tile to check in (`kernels/arrivals.py`) sums
     # the splits, rounds to x's dtype as F.linear rounds its logits, and does topk_softmax's work
@@ -302,7 +302,6 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
     rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     h_end = tl.minimum((split + 1) * H_PER_SPLIT, H)
-    prefetch_l2(gate_ptr, tl.minimum(experts, E - 1), H, split * H_PER_SPLIT, h_end, PREFETCH)
     wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for h0 in range(split * H_PER_SPLIT, h_end, BLOCK_H):
@@ -343,7 +342,7 @@ def fused_router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
                              BLOCK_H=ROUTER_BLOCK_H,
                              # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
                              DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-                             **launch_options(x.device, prefetch=True))
+                             **launch_options(x.device))
     return probs, ids, weights
 
 

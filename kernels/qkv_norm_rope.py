@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
-from .dependent_launch import launch_options, prefetch_l2, wait_for_inputs
+from .dependent_launch import launch_options, wait_for_inputs
 from .layer_ops import qk_norm_rope_cache, qk_norm_rope_cache_reference
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
@@ -47,7 +47,7 @@ def qkv_norm_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, q_norm:
 def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                           slots_ptr, q_out_ptr, T, K, K_PER_SPLIT, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     head, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     NCOLS: tl.constexpr = (HQ + 2 * HKV) * D
     HALF: tl.constexpr = D // 2
@@ -55,7 +55,6 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
     d = tl.arange(0, D)
     cols = head * D + d
     k_end = tl.minimum((split + 1) * K_PER_SPLIT, K)
-    prefetch_l2(w_ptr, cols, K, split * K_PER_SPLIT, k_end, PREFETCH)  # this program's 64 kB at the 30B shape
     wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
@@ -123,7 +122,7 @@ def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: tor
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2,  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory
-            **launch_options(x.device, prefetch=True))
+            **launch_options(x.device))
     return q
 
 

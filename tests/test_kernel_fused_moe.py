@@ -26,7 +26,8 @@ def _case(T, E, K, H, I, dtype=torch.float32, device="cpu", seed=0, duplicates=F
             gate_up.to(dtype=dtype, **to), down.to(dtype=dtype, **to))
 
 
-@pytest.mark.parametrize("T,E,K", [(1, 16, 4), (7, 16, 4), (40, 8, 2), (3, 128, 8), (128, 128, 8), (256, 64, 8)])
+@pytest.mark.parametrize("T,E,K", [(1, 16, 4), (7, 16, 4), (40, 8, 2), (3, 128, 8), (128, 128, 8), (256, 64, 8),
+                                   (600, 128, 8)])  # a prefill chunk: 4,800 slots
 def test_moe_align_matches_reference(T, E, K):
     ids = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(T))
     for block_m in (16, 64):

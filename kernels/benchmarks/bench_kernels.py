@@ -18,10 +18,10 @@ Every time is read against the device-copy bandwidth measured in the same run. P
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
   policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2: wall time of
-  engine.step() (TPOT) and the graph replay alone, with the union each policy produced. Two more
-  topk rows are the same-run references for programmatic dependent launch
-  (`kernels/dependent_launch.py`): "topk, no PDL" (every kernel launched after the one before has
-  finished) and "topk, PDL without prefetch" (chained, but no weight asked for before the wait).
+  engine.step() (TPOT) and the graph replay alone, with the union each policy produced. One more
+  topk row is the same-run reference for programmatic dependent launch
+  (`kernels/dependent_launch.py`): "topk, no PDL", every kernel launched after the one before has
+  finished.
 - prefill: the same engine prefilling 30 images' visual tokens (256 merged tokens each) at keep
   1.0 and 0.6 plus 64 text tokens, to the first token.
 Writes OUT.json ({"device", "copy_gbps", "rows": [...]}) and OUT.png.
@@ -118,11 +118,11 @@ def without_pdl(fn):
     """fn with its kernels launched one after another (the setting is read at each launch, so in a
     capture too)."""
     def run(*args):
-        dependent_launch.set_enabled(False, False)
+        dependent_launch.set_enabled(False)
         try:
             return fn(*args)
         finally:
-            dependent_launch.set_enabled(True, True)
+            dependent_launch.set_enabled(True)
     return run
 
 
@@ -189,15 +189,13 @@ def build_engine(max_num_seqs: int = 64) -> LLMEngine:
 
 def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: int = 24) -> list[dict]:
     dev = torch.device("cuda")
-    # (row name, policy, PDL, weights prefetched before the wait): the policies as the engine runs
-    # them, then the references for PDL.
-    variants = (("topk", RoutingPolicy(), True, True), ("sere K'=2 rho=0", random_sere(dev), True, True),
-                ("oea k0=2", OeaPolicy(2), True, True), ("topk, no PDL", RoutingPolicy(), False, False),
-                ("topk, PDL without prefetch", RoutingPolicy(), True, False))
+    # (row name, policy, PDL): the policies as the engine runs them, then the reference for PDL.
+    variants = (("topk", RoutingPolicy(), True), ("sere K'=2 rho=0", random_sere(dev), True),
+                ("oea k0=2", OeaPolicy(2), True), ("topk, no PDL", RoutingPolicy(), False))
     g = torch.Generator().manual_seed(0)
     rows = []
-    for name, policy, pdl, prefetch in variants:
-        dependent_launch.set_enabled(pdl, prefetch)
+    for name, policy, pdl in variants:
+        dependent_launch.set_enabled(pdl)
         engine.set_routing_policy(policy)  # re-captures the graphs with these launches
         for B in DECODE_BATCHES:
             seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
@@ -239,7 +237,7 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 engine.abort(s)
             while engine.has_work:  # the step still in flight is read back (its tokens dropped)
                 engine.step()
-    dependent_launch.set_enabled(True, True)
+    dependent_launch.set_enabled(True)
     engine.set_routing_policy(RoutingPolicy())
     return rows
 

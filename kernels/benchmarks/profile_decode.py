@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": False, "steps": []}
-    dependent_launch.set_enabled(False, False)  # each kernel's own time (module docstring)
+    dependent_launch.set_enabled(False)  # each kernel's own time (module docstring)
     engine = build_engine()
     for batch in (int(b) for b in args.batches.split(",")):
         result["steps"].append(profile_step(engine, batch))
