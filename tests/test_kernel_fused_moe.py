@@ -42,6 +42,15 @@ def test_moe_align_matches_reference(T, E, K):
         assert torch.equal(experts[tile_of].long(), ids.reshape(-1)[used])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [300, 1024])  # 2,400 and 8,192 slots: prefill chunks, 16 warps a program
+def test_moe_align_matches_reference_for_a_prefill_chunk_gpu(T):
+    ids = torch.randint(0, 128, (T, 8), generator=torch.Generator().manual_seed(T)).cuda()
+    for block_m in (16, 64):
+        got, want = moe_align(ids, 128, block_m), moe_align_reference(ids, 128, block_m)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("T,E,K,H,I,dup", [(1, 16, 4, 64, 32, False), (5, 16, 4, 48, 40, True),
                                             (19, 8, 2, 64, 32, False)])
 def test_fused_experts_matches_reference(T, E, K, H, I, dup):
