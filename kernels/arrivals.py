@@ -2,15 +2,14 @@
 pieces those kernels share.
 
 A kernel split over programs that each compute a share (splits of the router's logits, of a decode
-context, of a projection's input width) needs one more step over all the shares (the top-K, the
-log-sum-exp merge, the q/k norms and RoPE, the residual add and RMSNorm of whole rows). Instead of
-a second launch, each program stores its share and calls `last_to_arrive`: one atomic add on its
-group's counter, after a barrier (the atomic is one thread's: the barrier puts every thread's
-stores before it). The program that sees the count
-reach the group's size holds every share (the atomic's acquire-release ordering at GPU scope makes
-the others' stores visible; it reads them with .cg loads, from L2, as `sum_splits` does), does the
-last step, and has set the counter back to zero for the next launch. `split_width` cuts a width
-into splits of whole blocks.
+context, of the q/k/v projection's input width) needs one more step over all the shares (the
+top-K, the log-sum-exp merge, the q/k norms and RoPE). Instead of a second launch, each program
+stores its share and calls `last_to_arrive`: one atomic add on its group's counter, after a
+barrier (the atomic is one thread's: the barrier puts every thread's stores before it). The
+program that sees the count reach the group's size holds every share (the atomic's
+acquire-release ordering at GPU scope makes the others' stores visible; it reads them with .cg
+loads, from L2, as `sum_splits` does), does the last step, and has set the counter back to zero
+for the next launch. `split_width` cuts a width into splits of whole blocks.
 
 The counters live as long as the process, one fixed-size buffer per kernel and device, allocated
 by the first (eager) call: a CUDA graph that captures the kernel keeps their address, so the

@@ -16,11 +16,12 @@ one ends.
 
 `launch_options(device)` gives a Triton launch its two keywords: the kernel's `PDL` constexpr
 and Triton's `launch_pdl`. Off without CUDA (the interpreter), before compute capability 9.0, and
-where ZIPMOE_PDL=0; `set_enabled` switches it in a running process (the benchmarks compare both
-in one run; a CUDA graph keeps what was set when it was captured).
+where ZIPMOE_PDL=0; `enabled_as` sets it for a block of a running process (the benchmarks compare
+both in one run; a CUDA graph keeps what was set when it was captured).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -32,10 +33,16 @@ import triton.language as tl
 _enabled = os.environ.get("ZIPMOE_PDL", "1") != "0"
 
 
-def set_enabled(enabled: bool) -> None:
-    """PDL on or off for launches from now on (a captured graph keeps its own)."""
+@contextlib.contextmanager
+def enabled_as(enabled: bool):
+    """PDL on or off for the launches inside the block (a graph captured there keeps it), then as
+    it was."""
     global _enabled
-    _enabled = enabled
+    saved, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = saved
 
 
 def enabled(device: torch.device) -> bool:

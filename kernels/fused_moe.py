@@ -175,7 +175,7 @@ def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)  # the tile's expert comes from the router: nothing to fetch before
+    wait_for_inputs(PDL)
     pid_n = tl.program_id(1)
     expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
     if expert < 0:

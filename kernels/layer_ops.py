@@ -294,6 +294,7 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
                    K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
                    MAX_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     # Program (tile, expert block, split) sums BLOCK_T x BLOCK_E logits over its H_PER_SPLIT hidden
     # columns in float32; the last program of a token tile to check in (`kernels/arrivals.py`) sums
     # the splits, rounds to x's dtype as F.linear rounds its logits, and does topk_softmax's work
@@ -301,10 +302,8 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
     tile, eb, split, split_count = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
     rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    h_end = tl.minimum((split + 1) * H_PER_SPLIT, H)
-    wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(split * H_PER_SPLIT, h_end, BLOCK_H):
+    for h0 in range(split * H_PER_SPLIT, tl.minimum((split + 1) * H_PER_SPLIT, H), BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         xs = tl.load(x_ptr + rows[:, None] * H + h[None, :], mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0)
         gs = tl.load(gate_ptr + experts[:, None] * H + h[None, :], mask=(experts[:, None] < E) & (h[None, :] < H),

@@ -48,16 +48,15 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
                           slots_ptr, q_out_ptr, T, K, K_PER_SPLIT, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                           D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     head, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     NCOLS: tl.constexpr = (HQ + 2 * HKV) * D
     HALF: tl.constexpr = D // 2
     rows = tl.arange(0, BLOCK_T).to(tl.int64)
     d = tl.arange(0, D)
     cols = head * D + d
-    k_end = tl.minimum((split + 1) * K_PER_SPLIT, K)
-    wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
-    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
+    for k0 in range(split * K_PER_SPLIT, tl.minimum((split + 1) * K_PER_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K), other=0.0)
         ws = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < K, other=0.0)

@@ -86,22 +86,24 @@ def test_cuda_float32_logits_match_cpu_reference(tiny_checkpoint, monkeypatch):
     torch.testing.assert_close(cuda[1][same], cpu[1][same], rtol=1e-3, atol=1e-3)
 
 
-def test_dependent_launch_is_off_without_cuda_and_when_switched_off(monkeypatch):
+def test_dependent_launch_is_off_without_cuda_and_when_switched_off():
     assert launch_options(torch.device("cpu")) == {"PDL": False}  # the interpreter has no grid control
     if torch.cuda.is_available():
-        monkeypatch.setattr(dependent_launch, "_enabled", False)
-        assert launch_options(torch.device("cuda")) == {"PDL": False}
+        with dependent_launch.enabled_as(False):
+            assert launch_options(torch.device("cuda")) == {"PDL": False}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_dependent_launch_changes_no_token(tiny_checkpoint, graphs, monkeypatch):
+def test_dependent_launch_changes_no_token(tiny_checkpoint, graphs):
     """The decode step's kernels chained by PDL (each waiting for its inputs) give exactly the
     tokens they give launched one after another."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0")
-    monkeypatch.setattr(dependent_launch, "_enabled", True)
-    chained = run(tiny_checkpoint, "cuda", SerePolicy(*sere_tables("cuda"), primary_k=2, threshold=0.0), graphs=graphs)
-    monkeypatch.setattr(dependent_launch, "_enabled", False)
-    plain = run(tiny_checkpoint, "cuda", SerePolicy(*sere_tables("cuda"), primary_k=2, threshold=0.0), graphs=graphs)
+    def tokens(pdl: bool):
+        with dependent_launch.enabled_as(pdl):
+            return run(tiny_checkpoint, "cuda", SerePolicy(*sere_tables("cuda"), primary_k=2, threshold=0.0),
+                       graphs=graphs)
+
+    chained, plain = tokens(True), tokens(False)
     assert chained == plain

@@ -118,11 +118,8 @@ def without_pdl(fn):
     """fn with its kernels launched one after another (the setting is read at each launch, so in a
     capture too)."""
     def run(*args):
-        dependent_launch.set_enabled(False)
-        try:
+        with dependent_launch.enabled_as(False):
             return fn(*args)
-        finally:
-            dependent_launch.set_enabled(True)
     return run
 
 
@@ -195,8 +192,8 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
     g = torch.Generator().manual_seed(0)
     rows = []
     for name, policy, pdl in variants:
-        dependent_launch.set_enabled(pdl)
-        engine.set_routing_policy(policy)  # re-captures the graphs with these launches
+        with dependent_launch.enabled_as(pdl):  # the decode steps timed are these graphs' replays
+            engine.set_routing_policy(policy)  # re-captures the graphs
         for B in DECODE_BATCHES:
             seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
                                        SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for _ in range(B)]
@@ -237,7 +234,6 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 engine.abort(s)
             while engine.has_work:  # the step still in flight is read back (its tokens dropped)
                 engine.step()
-    dependent_launch.set_enabled(True)
     engine.set_routing_policy(RoutingPolicy())
     return rows
 

@@ -10,8 +10,8 @@ and the replay's wall time against the sum of its kernels (the gaps between them
 captured without programmatic dependent launch (`kernels/dependent_launch.py`): with it, a
 kernel's recorded span starts at its early launch and includes its wait for the one before, so
 spans overlap and no kernel's own time shows; bench_kernels' decode rows time the step with it.
-With --mixed B it also times the eager step that prefills one new 512-token prompt beside B
-decoding sequences (what a stream sees when another request arrives): its wall time against the
+With --mixed B it also times (also without PDL) the eager step that prefills one new 512-token
+prompt beside B decoding sequences (what a stream sees when another request arrives): its wall time against the
 sum of its kernels' times and its launch count, and the plain decode step's wall time beside it.
 Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
 """
@@ -151,16 +151,16 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": False, "steps": []}
-    dependent_launch.set_enabled(False)  # each kernel's own time (module docstring)
-    engine = build_engine()
-    for batch in (int(b) for b in args.batches.split(",")):
-        result["steps"].append(profile_step(engine, batch))
-        print_step(result["steps"][-1])
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    if args.mixed:
-        result["mixed"] = profile_mixed(engine, args.mixed)
-        print(f"\nmixed step: {result['mixed']}", flush=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    with dependent_launch.enabled_as(False):  # each kernel's own time (module docstring)
+        engine = build_engine()
+        for batch in (int(b) for b in args.batches.split(",")):
+            result["steps"].append(profile_step(engine, batch))
+            print_step(result["steps"][-1])
+            out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        if args.mixed:
+            result["mixed"] = profile_mixed(engine, args.mixed)
+            print(f"\nmixed step: {result['mixed']}", flush=True)
+            out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     return 0
 
