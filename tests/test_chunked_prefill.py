@@ -1,6 +1,7 @@
 """Chunked prefill: a prompt computed over several steps (chunk boundaries inside image-token runs,
 DeepStack rows and mRoPE positions spliced per chunk) gives the logits of a one-shot prefill, and
-a sequence that decodes beside someone else's chunks gets the tokens it gets alone."""
+a sequence that decodes beside someone else's chunks gets the tokens it gets alone; such steps run
+as piecewise graphs give what they give eagerly."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +11,7 @@ import torch
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
+from zipmoe.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
@@ -106,3 +108,53 @@ def test_a_decoding_image_request_beside_chunks_reads_no_features(tiny_checkpoin
     reference = run(engine(tiny_checkpoint, 256, device))
     monkeypatch.setattr(VisualInputs, "offload", to_meta)
     assert run(engine(tiny_checkpoint, 9, device)) == reference
+
+
+def test_prefill_buckets():
+    assert prefill_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert prefill_buckets(600) == [16, 32, 64, 128, 256, 512, 600]
+    assert prefill_buckets(9) == [9]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_images, device):
+    """Steps with prompt chunks run as pieces (prefill_graphs.py: CUDA graphs on CUDA, the same pieces
+    eagerly on the CPU) on padded static buffers: a text stream decoding beside an image prompt's
+    chunks (image rows, DeepStack rows, chunks that start mid-sequence), then beside a text prompt in
+    the rows the image's DeepStack features used, gets the plain eager steps' logits and tokens."""
+    ids, visual = request_with_images
+
+    def run(pieces: bool):
+        eng = engine(tiny_checkpoint, 12, device)  # 12-token steps in 16-row buckets: every step padded
+        served = []  # (the pieces' logits and K/V, the eager forward's) of every step the pieces ran
+        if pieces:
+            kv = eng.runner.kv
+            graphs = PrefillGraphs(eng.model, kv, 16, capture=device == "cuda")
+            forward = graphs.forward
+
+            def both(ids, step, rows):
+                written = lambda: torch.stack([torch.stack([k[step.slots], v[step.slots]]) for k, v in zip(kv.k, kv.v)])
+                eager = eng.model.forward(ids, step, kv, rows).logits, written()  # then rewritten by the pieces
+                out = forward(ids, step, rows)
+                served.append(((out.logits.clone(), written()), eager))
+                return out
+            graphs.forward = both
+            eng.runner.prefill_graphs = graphs
+        a = eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        b = eng.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True), visual=copy.copy(visual))
+        while not b.output_ids:
+            eng.step()
+        c = eng.add_request(list(range(40, 70)), SamplingParams(max_tokens=6, ignore_eos=True))
+        while eng.has_work:
+            eng.step()
+        return [s.output_ids for s in (a, b, c)], served
+
+    eager, _ = run(pieces=False)
+    replayed, served = run(pieces=True)
+    assert replayed == eager
+    assert len(served) >= -(-len(ids) // 12) + 2  # every prompt step took the pieces
+    tol = 1e-5 if device == "cpu" else 1e-4
+    for got, want in served:
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -10,9 +10,10 @@ and the replay's wall time against the sum of its kernels (the gaps between them
 captured without programmatic dependent launch (`kernels/dependent_launch.py`): with it, a
 kernel's recorded span starts at its early launch and includes its wait for the one before, so
 spans overlap and no kernel's own time shows; bench_kernels' decode rows time the step with it.
-With --mixed B it also times (also without PDL) the eager step that prefills one new 512-token
-prompt beside B decoding sequences (what a stream sees when another request arrives): its wall time against the
-sum of its kernels' times and its launch count, and the plain decode step's wall time beside it.
+With --mixed B it also times (also without PDL) the step that prefills one new prompt (512 tokens,
+or each of --mixed-prompts) beside B decoding sequences (what a stream sees when another request arrives), as the engine runs
+it (piecewise CUDA graphs, engine/prefill_graphs.py) and eagerly: wall times, the eager step's sum of
+kernel times and launch count, and the plain decode step's wall time beside them.
 Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
 """
 from __future__ import annotations
@@ -79,8 +80,8 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
 
 def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, reps: int = 5) -> dict:
     """Wall ms of the step that prefills a new `prompt`-token request beside `batch` decoding ones
-    (median of `reps`, the device idle at both ends), one more such step profiled for its kernels,
-    and the plain decode step's wall ms."""
+    (median of `reps`, the device idle at both ends), with the engine's prefill graphs and without;
+    one more eager such step profiled for its kernels; and the plain decode step's wall ms."""
     g = torch.Generator().manual_seed(batch)
     tokens = lambda n: torch.randint(0, 150000, (n,), generator=g).tolist()
     seqs = [engine.add_request(tokens(context), SamplingParams(max_tokens=256, ignore_eos=True)) for _ in range(batch)]
@@ -96,20 +97,27 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
+    runner = engine.runner
+    graphs = runner.prefill_graphs
     timed_step(prompt)  # warm-up: compiles the prefill shapes' kernels
     mixed = statistics.median(timed_step(prompt) for _ in range(reps))
+    runner.prefill_graphs = None  # the same steps eagerly
+    timed_step(prompt)
+    eager = statistics.median(timed_step(prompt) for _ in range(reps))
     decode = statistics.median(timed_step(0) for _ in range(reps))
     engine.add_request(tokens(prompt), SamplingParams(max_tokens=1, ignore_eos=True))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
+    runner.prefill_graphs = graphs
     for s in seqs:
         engine.abort(s)
     while engine.has_work:
         engine.step()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
-    return {"batch": batch, "prompt": prompt, "mixed_step_ms": round(mixed, 2), "decode_step_ms": round(decode, 2),
+    return {"batch": batch, "prompt": prompt, "mixed_step_ms": round(mixed, 2), "mixed_eager_step_ms": round(eager, 2),
+            "decode_step_ms": round(decode, 2),
             "mixed_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),
             "mixed_launches": sum(e.count for e in kernels)}
 
@@ -147,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results/decode_profile_h200")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--mixed", type=int, default=0, help="also time a prefill step beside this many decoding sequences")
+    ap.add_argument("--mixed-prompts", default="512", help="that step's new prompt lengths, one row each")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,8 +167,9 @@ def main(argv=None) -> int:
             print_step(result["steps"][-1])
             out.with_suffix(".json").write_text(json.dumps(result, indent=1))
         if args.mixed:
-            result["mixed"] = profile_mixed(engine, args.mixed)
-            print(f"\nmixed step: {result['mixed']}", flush=True)
+            result["mixed"] = [profile_mixed(engine, args.mixed, int(p)) for p in args.mixed_prompts.split(",")]
+            for row in result["mixed"]:
+                print(f"\nmixed step: {row}", flush=True)
             out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     return 0

@@ -11,6 +11,9 @@ Each capture's StepOutput (logits and routing) is kept: its tensors are what eve
 """
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
 import torch
 
 from .kv_cache import KVCache
@@ -21,6 +24,19 @@ def bucket_sizes(max_batch: int, routing_min_batch: int = 1) -> list[int]:
     sizes = {1, 2, 4, max_batch} | set(range(8, max_batch + 1, 8))
     sizes |= {b for b in (routing_min_batch - 1, routing_min_batch) if 1 <= b <= max_batch}
     return sorted(s for s in sizes if s <= max_batch)
+
+
+@contextmanager
+def capturing():
+    """A block of CUDA-graph captures with Python's cyclic garbage collector held off: a collection
+    inside a capture that frees an earlier engine's graphs (their memory) invalidates the capture.
+    Garbage from before is collected first."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class DecodeGraphs:
@@ -39,15 +55,16 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StepOutput] = {}
         pool = None
-        # Largest first: smaller graphs then fit in the memory pool the largest one already holds.
-        for b in reversed(self.buckets):
-            step, rows = self._step(b), self.rows[:b]
-            model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = model.forward(self.input_ids[:b], step, kv, rows)
-            pool = graph.pool()
-            self.graphs[b] = graph
+        with capturing():
+            # Largest first: smaller graphs then fit in the memory pool the largest one already holds.
+            for b in reversed(self.buckets):
+                step, rows = self._step(b), self.rows[:b]
+                model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b] = model.forward(self.input_ids[:b], step, kv, rows)
+                pool = graph.pool()
+                self.graphs[b] = graph
         torch.cuda.synchronize()
 
     @property

@@ -61,6 +61,9 @@ class EngineConfig:
     truncate_k: int = setting(2, "truncate: experts every token keeps (a baseline)", min=1)
     routing_min_batch: int = setting(1, "decode batches smaller than this keep plain top-K", min=1)
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from per-batch-size CUDA graphs")
+    prefill_graph_tokens: int = setting(2048, "on CUDA with cuda_graphs, steps that carry prompt chunks and at most "
+                                              "this many tokens replay piecewise CUDA graphs around an eager "
+                                              "attention (engine/prefill_graphs.py); 0: they run eagerly", min=0)
     async_scheduling: bool = setting(True, "pipeline pure decode steps: the next step is "
                                             "launched before this one's tokens are read back (engine.py)")
     expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
@@ -125,7 +128,7 @@ class LLMEngine:
         kv = KVCache(self.text.num_layers, num_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
-                                  config.cuda_graphs)
+                                  config.cuda_graphs, min(config.prefill_graph_tokens, config.max_num_batched_tokens))
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()

@@ -11,6 +11,7 @@ all-reduces the layers' partial outputs; everything else is the same in every pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 from typing import Callable
 
@@ -149,46 +150,79 @@ class Qwen3VLMoeTextDecoder:
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv: KVCache,
                 logit_rows: torch.Tensor) -> StepOutput:
         """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows, and a
-        decode step's routing."""
+        decode step's routing. The stages below are also what `prefill_graphs.py` captures or runs
+        between its graphs: everything but `attention` depends only on the number of tokens."""
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
-        ops, eps = self.ops, self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
-        rows = step.visual_rows
-        if rows is not None:
-            h[rows] = step.visual_embeds.to(self.dtype)
-        cos, sin = self.rope.cos_sin(step.positions, self.dtype)
-        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        h = self.embed_tokens(input_ids, step)
+        cos, sin, q = self.first_qkv(h, step, kv)
+        injected = 0 if step.deepstack is None else step.deepstack.shape[0]
         for layer, nxt in zip(self.layers, self.layers[1:] + [None]):
-            h, x = ops.add_rms_norm(h, F.linear(self._attention(layer, x, cos, sin, step, kv), layer.o),
-                                    layer.post_norm, eps)
-            out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
-            inject = step.deepstack is not None and layer.idx < step.deepstack.shape[0]
-            if nxt is not None and not inject:
-                # The residual add (and the MoE's slot sum) and the next layer's input norm in one pass.
-                h, x = ops.add_rms_norm(h, out, nxt.input_norm, eps)
-                continue
-            h = h + layer_ops.sum_slots(out)
-            if inject:
-                h[rows] = h[rows] + step.deepstack[layer.idx].to(self.dtype)  # DeepStack injection
-            if nxt is not None:
-                x = ops.rms_norm(h, nxt.input_norm, eps)
-        h = ops.rms_norm(h[logit_rows], self.norm, eps)
-        return StepOutput(F.linear(h, self.lm_head).float(), routing)
+            inject = partial(self._inject, step, layer.idx) if layer.idx < injected else None
+            h, q = self.layer_rest(layer, nxt, h, self.attention(layer, q, step, kv), cos, sin, step, kv,
+                                   routing, inject)
+        return StepOutput(self.logits(h, logit_rows), routing)
 
-    def _attention(self, layer: Layer, x, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
-        """The heads' outputs [T, heads * head_dim], before the output projection."""
+    def _inject(self, step: StepInputs, idx: int, h: torch.Tensor) -> torch.Tensor:
+        """DeepStack: the image rows get layer idx's visual features added."""
+        h[step.visual_rows] = h[step.visual_rows] + step.deepstack[idx].to(self.dtype)
+        return h
+
+    def embed_tokens(self, input_ids: torch.Tensor, step: StepInputs, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, hidden]: the tokens' embeddings, image rows replaced by the visual features (into `out`)."""
+        h = torch.index_select(self.embed, 0, input_ids, out=out) if out is not None else F.embedding(input_ids, self.embed)
+        if step.visual_rows is not None:
+            h[step.visual_rows] = step.visual_embeds.to(self.dtype)
+        return h
+
+    def first_qkv(self, h: torch.Tensor, step: StepInputs, kv: KVCache):
+        """(cos, sin, q) of the first layer: its input norm, q/k/v (k and v into the cache)."""
+        cos, sin = self.rope.cos_sin(step.positions, self.dtype)
+        first = self.layers[0]
+        return cos, sin, self._qkv(first, self.ops.rms_norm(h, first.input_norm, self.cfg.rms_norm_eps), cos, sin,
+                                   step, kv)
+
+    def layer_rest(self, layer: Layer, nxt: Layer | None, h: torch.Tensor, attn: torch.Tensor, cos, sin,
+                   step: StepInputs, kv: KVCache, routing: list, inject: Callable | None = None):
+        """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or (h, None)
+        after the last layer. inject(h) -> h: the layer's DeepStack features added (the first layers)."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        h, x = ops.add_rms_norm(h, F.linear(attn, layer.o), layer.post_norm, eps)
+        out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
+        if nxt is not None and inject is None:
+            # The residual add (and the MoE's slot sum) and the next layer's input norm in one pass.
+            h, x = ops.add_rms_norm(h, out, nxt.input_norm, eps)
+        else:
+            h = h + layer_ops.sum_slots(out)
+            if inject is not None:
+                h = inject(h)
+            if nxt is None:
+                return h, None
+            x = ops.rms_norm(h, nxt.input_norm, eps)
+        return h, self._qkv(nxt, x, cos, sin, step, kv)
+
+    def logits(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [len(rows), vocab] of the final hidden states' chosen rows."""
+        return F.linear(self.ops.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def _qkv(self, layer: Layer, x: torch.Tensor, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
+        """Normed, rotated q [T, heads, head_dim]; k and v go straight into the cache."""
         cfg = self.cfg
-        T = x.shape[0]
-        # Normed, rotated q; k and v go straight into the cache.
-        q = self.ops.qkv_norm_rope_cache(x, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
-                                         kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
-                                         cfg.num_heads, cfg.num_kv_heads)
+        return self.ops.qkv_norm_rope_cache(x, layer.qkv, layer.q_norm, layer.k_norm, cos, sin,
+                                            kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
+                                            cfg.num_heads, cfg.num_kv_heads)
+
+    def attention(self, layer: Layer, q: torch.Tensor, step: StepInputs, kv: KVCache,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The heads' outputs [T, heads * head_dim] for q [T, heads, head_dim], before the output
+        projection; a prefill step's go into `out` ([T, heads, head_dim]) where it is given."""
+        cfg = self.cfg
+        T = q.shape[0]
         k_cache, v_cache = kv.k[layer.idx], kv.v[layer.idx]
         if not step.is_prefill:
             out = self.ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                             kv.block_size, self.scale)
             return out.reshape(T, -1)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         for chunk in step.chunks:
             # [1, heads, n, d] against the whole context so far, gathered from the cache.
             qc = q[chunk.rows].transpose(0, 1)[None]

@@ -2,8 +2,9 @@
 
 A step whose every sequence computes just its newest token is a decode step: attention over the
 paged cache, the routing policy, and on CUDA a replay of the batch size's CUDA graph; its routing
-goes into `routing_stats`. A step with prompt chunks in it runs eagerly with plain top-K routing
-(its decode rows too: the chunk's tokens activate most experts anyway).
+goes into `routing_stats`. A step with prompt chunks in it takes plain top-K routing (its decode
+rows too: the chunk's tokens activate most experts anyway); on CUDA, up to `prefill_graph_tokens`
+tokens, it replays piecewise graphs around an eager attention (prefill_graphs.py), else it runs eagerly.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from .cuda_graphs import DecodeGraphs
+from .prefill_graphs import PrefillGraphs
 from .kv_cache import BlockManager, KVCache
 from .model import Chunk, Qwen3VLMoeTextDecoder, StepInputs
 from .routing import RoutingStats
@@ -23,7 +25,7 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, blocks: BlockManager, max_num_seqs: int,
-                 max_model_len: int, cuda_graphs: bool = True):
+                 max_model_len: int, cuda_graphs: bool = True, prefill_graph_tokens: int = 0):
         self.model = model
         self.kv = kv
         self.blocks = blocks
@@ -34,6 +36,9 @@ class ModelRunner:
         self.routing_stats = RoutingStats()
         self.graphs: DecodeGraphs | None = None
         self.capture_graphs()
+        # Expert parallel steps all-reduce every MoE layer across processes: those stay eager.
+        self.prefill_graphs = (PrefillGraphs(model, kv, prefill_graph_tokens)
+                               if self.use_graphs and prefill_graph_tokens and model.shard is None else None)
 
     def capture_graphs(self) -> None:
         if self.use_graphs:
@@ -124,7 +129,7 @@ class ModelRunner:
         if not all(is_decode(seq, n) for seq, n in batch):
             ids, step, rows = self.prepare_mixed(batch)
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
-            return list(zip(sampling, sample(self.model.forward(ids, step, self.kv, rows).logits, sampling).tolist()))
+            return list(zip(sampling, sample(self._prefill(ids, step, rows), sampling).tolist()))
         seqs = [seq for seq, _ in batch]
         return list(zip(seqs, self.launch_decode(seqs, None).tolist()))
 
@@ -136,6 +141,14 @@ class ModelRunner:
         if input_ids is not None:
             tensors["input_ids"] = input_ids
         return sample(self._decode(seqs, tensors), seqs)
+
+    def _prefill(self, ids: torch.Tensor, step: StepInputs, rows: torch.Tensor) -> torch.Tensor:
+        """The forward of a step with prompt chunks -> logits [len(rows), vocab]: replayed pieces where
+        the step fits a bucket (not while a calibration hook watches the MoE inputs), else eager."""
+        graphs = self.prefill_graphs
+        if graphs is not None and ids.shape[0] <= graphs.max_tokens and self.model.moe_input_hook is None:
+            return graphs.forward(ids, step, rows).logits
+        return self.model.forward(ids, step, self.kv, rows).logits
 
     def _decode(self, seqs: list[Sequence], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]."""
