@@ -153,6 +153,8 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
                 image_requests=len(futures), failed=len(errors), first_error=errors[0] if errors else None,
                 preemptions=diff(before, after, "zipmoe_preemptions_total"),
                 gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),
+                gc_full_collections=diff(before, after, "zipmoe_gc_full_collections_total"),
+                gc_pause_ms=None if (us := diff(before, after, "zipmoe_gc_pause_microseconds_total")) is None else us / 1e3,
                 experts_read=routing_effect(before, after)["experts_read"] if after else None,
                 image_size=a.image_size[0], channel=a.channel, note=f"{a.streams} streams + {what} every {a.period:g} s")]
 

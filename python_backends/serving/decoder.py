@@ -32,6 +32,7 @@ from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
 from .errors import SHUTTING_DOWN, internal_error, server_busy
+from .gc_pauses import GcPauses
 from .gpu_turn import TurnWaiter
 from .load import DegradationConfig, DegradationController, Load, RecentTTFT
 from .response_writer import CANCELLED, ResponseWriter
@@ -107,6 +108,7 @@ class DecoderService:
                                      "visual_tokens_kept", "gpu_turn_waits", "gpu_turn_wait_us"), 0)
         self._keys = itertools.count()
         self._writer = ResponseWriter(config.response_threads)
+        self._gc = GcPauses()  # every collection stalls the engine loop: counted for the metrics
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
         self._thread.start()
 
@@ -151,7 +153,7 @@ class DecoderService:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "degradation_level": control.level if control else 0,
                 "load_pressure": round(control.pressure, 3) if control else 0.0,
-                **self.engine.routing_stats.snapshot()}
+                **self.engine.routing_stats.snapshot(), **self._gc.stats()}
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final
@@ -167,6 +169,7 @@ class DecoderService:
             self._send_error(p, message)
         self._live.clear()
         self._writer.close()  # after everything above is delivered
+        self._gc.close()
 
     # --- engine thread -------------------------------------------------------------------------
 

@@ -17,6 +17,10 @@ COUNTERS = {
     "requests_cancelled": ("zipmoe_requests_cancelled_total", "Requests stopped because the client cancelled"),
     "requests_rejected_busy": ("zipmoe_requests_rejected_busy_total",
                                "Requests refused busy: max_waiting_requests waiting, or max_queue_delay_ms passed"),
+    # Python's collector in the decoder's process: each collection stalls the engine loop (gc_pauses.py).
+    "gc_collections": ("zipmoe_gc_collections_total", "Garbage collections in moe_decoder's process"),
+    "gc_full_collections": ("zipmoe_gc_full_collections_total", "Of those, full (generation 2) collections"),
+    "gc_pause_us": ("zipmoe_gc_pause_microseconds_total", "Time those collections held the process, summed"),
     # Routing: sums over decode layer-steps (union_after / layer_steps = mean experts read per layer).
     "layer_steps": ("zipmoe_moe_layer_steps_total", "MoE layer executions in decode steps"),
     "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
