@@ -116,30 +116,45 @@ def test_prefill_buckets():
     assert prefill_buckets(9) == [9]
 
 
+class Compared:
+    """Stands in for the runner's PrefillGraphs: each step runs eagerly, its cache slots get back
+    what they held before, then it runs as pieces, which must write the same K/V (their own
+    attention reads it) and give the same logits. Keeps (tokens, the pieces' results, eager's)."""
+
+    def __init__(self, graphs: PrefillGraphs, model, kv):
+        self.graphs, self.model, self.kv = graphs, model, kv  # not the engine: no reference cycle
+        self.max_tokens = graphs.max_tokens
+        self.steps = []
+
+    def _cache(self, slots):
+        return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(self.kv.k, self.kv.v)])
+
+    def forward(self, ids, step, rows):
+        before = self._cache(step.slots)
+        eager = self.model.forward(ids, step, self.kv, rows).logits, self._cache(step.slots)
+        for (k, v), (k_before, v_before) in zip(zip(self.kv.k, self.kv.v), before):
+            k[step.slots], v[step.slots] = k_before, v_before
+        out = self.graphs.forward(ids, step, rows)
+        self.steps.append((ids.shape[0], (out.logits.clone(), self._cache(step.slots)), eager))
+        return out
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_images, device):
+@pytest.mark.parametrize("budget", [12, 33])
+def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_images, device, budget):
     """Steps with prompt chunks run as pieces (prefill_graphs.py: CUDA graphs on CUDA, the same pieces
     eagerly on the CPU) on padded static buffers: a text stream decoding beside an image prompt's
     chunks (image rows, DeepStack rows, chunks that start mid-sequence), then beside a text prompt in
-    the rows the image's DeepStack features used, gets the plain eager steps' logits and tokens."""
+    the rows the image's DeepStack features used, gets the plain eager steps' logits, K/V and tokens.
+    Buckets of 16, 32 and 40 rows: 12-token steps all pad to 16, 33-token steps take turns."""
     ids, visual = request_with_images
 
     def run(pieces: bool):
-        eng = engine(tiny_checkpoint, 12, device)  # 12-token steps in 16-row buckets: every step padded
-        served = []  # (the pieces' logits and K/V, the eager forward's) of every step the pieces ran
+        eng = engine(tiny_checkpoint, budget, device)
+        compared = None
         if pieces:
-            kv = eng.runner.kv
-            graphs = PrefillGraphs(eng.model, kv, 16, capture=device == "cuda")
-            forward = graphs.forward
-
-            def both(ids, step, rows):
-                written = lambda: torch.stack([torch.stack([k[step.slots], v[step.slots]]) for k, v in zip(kv.k, kv.v)])
-                eager = eng.model.forward(ids, step, kv, rows).logits, written()  # then rewritten by the pieces
-                out = forward(ids, step, rows)
-                served.append(((out.logits.clone(), written()), eager))
-                return out
-            graphs.forward = both
-            eng.runner.prefill_graphs = graphs
+            graphs = PrefillGraphs(eng.model, eng.runner.kv, 40, capture=device == "cuda")
+            eng.runner.prefill_graphs = compared = Compared(graphs, eng.model, eng.runner.kv)
         a = eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=40, ignore_eos=True))
         for _ in range(3):
             eng.step()
@@ -149,12 +164,13 @@ def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_imag
         c = eng.add_request(list(range(40, 70)), SamplingParams(max_tokens=6, ignore_eos=True))
         while eng.has_work:
             eng.step()
-        return [s.output_ids for s in (a, b, c)], served
+        return [s.output_ids for s in (a, b, c)], compared
 
     eager, _ = run(pieces=False)
-    replayed, served = run(pieces=True)
+    replayed, compared = run(pieces=True)
     assert replayed == eager
-    assert len(served) >= -(-len(ids) // 12) + 2  # every prompt step took the pieces
+    buckets = {next(b for b in compared.graphs.buckets if b >= tokens) for tokens, _, _ in compared.steps}
+    assert len(compared.steps) >= 3 and len(buckets) == (1 if budget <= 16 else 3)
     tol = 1e-5 if device == "cpu" else 1e-4
-    for got, want in served:
+    for _, got, want in compared.steps:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -31,12 +31,14 @@ def capturing():
     """A block of CUDA-graph captures with Python's cyclic garbage collector held off: a collection
     inside a capture that frees an earlier engine's graphs (their memory) invalidates the capture.
     Garbage from before is collected first."""
+    was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
 
 
 class DecodeGraphs:

@@ -121,14 +121,18 @@ class LLMEngine:
         except torch.OutOfMemoryError:
             raise OutOfMemory(f"the decoder's weights do not fit in the free GPU memory of {self.device}: "
                               "free it, or lower the other models' share (their instances, max_images)") from None
-        num_blocks = config.num_kv_blocks or self._plan_kv_blocks()
+        # Steps with prompt tokens up to this size replay piecewise graphs (not under expert parallel,
+        # whose steps all-reduce across processes).
+        graph_tokens = (min(config.prefill_graph_tokens, config.max_num_batched_tokens)
+                        if config.cuda_graphs and shard is None else 0)
+        num_blocks = config.num_kv_blocks or self._plan_kv_blocks(graph_tokens)
         if shard is not None:  # lockstep schedulers need the same cache size in every process
             num_blocks = shard.agree_min(num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, num_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
-                                  config.cuda_graphs, min(config.prefill_graph_tokens, config.max_num_batched_tokens))
+                                  config.cuda_graphs, graph_tokens)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()
@@ -141,14 +145,14 @@ class LLMEngine:
         # Steps run (any kind), and those launched ahead, before the step before them was read back.
         self.steps_run = self.steps_pipelined = 0
 
-    def _plan_kv_blocks(self) -> int:
+    def _plan_kv_blocks(self, graph_tokens: int) -> int:
         """num_kv_blocks 0: what memory.plan leaves for the cache (CPU: a fixed size)."""
         cfg = self.config
         need = -(-cfg.max_model_len // cfg.block_size)
         if self.device.type != "cuda":
             return max(CPU_KV_BLOCKS, need)
         mem = memory.plan(self.model, self.text, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
-                          cfg.max_model_len, cfg.max_num_seqs, cfg.block_size, self.text.deepstack_layers)
+                          cfg.max_model_len, cfg.max_num_seqs, cfg.block_size, self.text.deepstack_layers, graph_tokens)
         blocks = mem.num_blocks(memory.block_bytes(self.text, cfg.block_size, self.dtype))
         print(f"KV cache: {mem.describe()} = {blocks} blocks, {blocks * cfg.block_size} tokens", flush=True)
         if blocks < need:

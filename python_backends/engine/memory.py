@@ -3,7 +3,10 @@
 After the weights are on the GPU, the engine runs the largest step it will ever run
 (`max_num_batched_tokens` prompt tokens, all of them image tokens with DeepStack features, in
 chunks that each end a `max_model_len` context, and `max_num_seqs` rows of logits) against a
-throw-away cache, and measures the activations' peak.
+throw-away cache, and measures the activations' peak. With prefill graphs (prefill_graphs.py) it
+also runs a step of their largest size over a short context: their memory pool is held for good,
+beside what eager steps use, and that step's peak bounds it from above (the graphs leave out even
+its attention).
 The KV cache then gets what is left of `gpu_memory_utilization` x the GPU's memory, and never more
 than is free right now (other models' processes — vision_encoder, image_decode, Triton's CUDA pool —
 share the GPU and keep the rest), less a fixed reserve for the CUDA graphs, the CUDA context and
@@ -43,12 +46,13 @@ class MemoryPlan:
     free: int  # free on the GPU after the worst-case step (other processes' use excluded)
     utilization: float
     device: str = "cuda"  # which GPU these figures are of, for the log line
+    graphs: int = 0  # what the prefill graphs will hold (0: none)
 
     def kv_bytes(self) -> int:
         """What the cache may take: our share of the GPU and what is free, each less the step's
-        activations (they come back at run time) and the reserve."""
-        ours = self.utilization * self.total - self.weights - self.activations
-        return int(min(ours, self.free - self.activations) - RESERVE_BYTES)
+        activations (they come back at run time), the prefill graphs' and the reserve."""
+        ours = self.utilization * self.total - self.weights - self.activations - self.graphs
+        return int(min(ours, self.free - self.activations - self.graphs) - RESERVE_BYTES)
 
     def num_blocks(self, per_block: int) -> int:
         return max(self.kv_bytes() // per_block, 0)
@@ -56,7 +60,7 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 1 << 30
         return (f"{self.device} {self.total / gib:.1f} GiB x {self.utilization}: weights {self.weights / gib:.1f} GiB, "
-                f"worst-case step {self.activations / gib:.2f} GiB, reserve {RESERVE_BYTES / gib:.1f} GiB, "
+                f"worst-case step {self.activations / gib:.2f} GiB, prefill graphs {self.graphs / gib:.2f} GiB, reserve {RESERVE_BYTES / gib:.1f} GiB, "
                 f"free {self.free / gib:.1f} GiB -> KV cache {max(self.kv_bytes(), 0) / gib:.1f} GiB")
 
 
@@ -108,15 +112,18 @@ def worst_case_step(model, *inputs) -> int:
 
 
 def plan(model, text: TextConfig, utilization: float, tokens: int, context: int, logit_rows: int, block_size: int,
-         deepstack_layers: int) -> MemoryPlan:
+         deepstack_layers: int, graph_tokens: int = 0) -> MemoryPlan:
+    """graph_tokens: the prefill graphs' largest step (0: no prefill graphs)."""
     device = gpu_of(model)
     weights = torch.cuda.memory_allocated(device)
     try:
         activations = worst_case_step(model, text, tokens, context, logit_rows, block_size, deepstack_layers)
+        graphs = graph_tokens and worst_case_step(model, text, graph_tokens, min(context, graph_tokens + 1),
+                                                  logit_rows, block_size, deepstack_layers)
     except torch.OutOfMemoryError:
         raise OutOfMemory(f"out of GPU memory in a step of max_num_batched_tokens {tokens} tokens over a context of "
                           f"max_model_len {context} (weights {weights / 2**30:.1f} GiB): lower max_num_batched_tokens "
                           "or max_model_len") from None
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryPlan(total, weights, activations, free, utilization, str(device))
+    return MemoryPlan(total, weights, activations, free, utilization, str(device), graphs)

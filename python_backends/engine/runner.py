@@ -36,9 +36,8 @@ class ModelRunner:
         self.routing_stats = RoutingStats()
         self.graphs: DecodeGraphs | None = None
         self.capture_graphs()
-        # Expert parallel steps all-reduce every MoE layer across processes: those stay eager.
         self.prefill_graphs = (PrefillGraphs(model, kv, prefill_graph_tokens)
-                               if self.use_graphs and prefill_graph_tokens and model.shard is None else None)
+                               if self.use_graphs and prefill_graph_tokens else None)
 
     def capture_graphs(self) -> None:
         if self.use_graphs:

@@ -34,4 +34,5 @@ class GcPauses:
                 "gc_pause_us": round(self.pause_us)}
 
     def close(self) -> None:
-        gc.callbacks.remove(self._callback)
+        if self._callback in gc.callbacks:  # a second shutdown finds it gone
+            gc.callbacks.remove(self._callback)
