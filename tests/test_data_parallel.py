@@ -125,3 +125,5 @@ def test_the_memory_plan_measures_the_instance_gpu(monkeypatch, device, current)
     assert plan == memory.MemoryPlan(total=140 * GIB, weights=62 * GIB, activations=6 * GIB, free=70 * GIB,
                                      utilization=0.9, device="cuda:1")
     assert set(gpus.asked) == {1} and plan.describe().startswith("cuda:1 140.0 GiB x 0.9")
+    # With prefill graphs a second step, of their size, bounds their pool (the fake's peak: 6 GiB again).
+    assert memory.plan(FakeModel(gpus, device), None, 0.9, 8192, 4096, 64, 16, 3, 2048).graphs == 6 * GIB

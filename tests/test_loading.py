@@ -140,7 +140,7 @@ def test_dummy_experts_come_in_groups_that_calibrate_as_alike(tiny_checkpoint, t
     assert within > 0.5 > between  # SERE at rho 0.5 moves a slot inside its group, never across
 
 
-@pytest.mark.parametrize("tokens, context", [(40, 16), (15, 16), (8, 64)])
+@pytest.mark.parametrize("tokens, context", [(40, 16), (15, 16), (8, 64), (40, 41)])  # the last: prefill graphs' bound
 def test_the_worst_case_step_runs_chunks_that_end_long_contexts(tiny_checkpoint, tokens, context):
     """What memory planning measures on a GPU, run on the CPU: every token in a chunk that starts
     after its sequence's first token (the lower-right causal path), finite logits for the rows asked."""
