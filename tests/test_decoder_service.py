@@ -287,3 +287,24 @@ def test_a_request_not_admitted_within_the_queue_delay_is_refused_busy(one_seat)
     assert len(service.engine.scheduler.waiting) == 0 and service.counts["requests_rejected_busy"] == 1
     service.cancel("holder")
     assert holder.done.wait(60) and holder.finals == 1
+
+
+def test_periodic_publishes_follow_the_tokens_and_the_last_one_precedes_the_end(tiny_checkpoint, monkeypatch):
+    """A periodic publish comes after the step's tokens are handed to the response writer (it never
+    holds them back), and the publish of a request's end before its last response (its client then
+    finds it in the metrics)."""
+    from zipmoe.serving import decoder
+    monkeypatch.setattr(decoder, "METRICS_PERIOD_S", 0.0)  # every step publishes
+    svc = make_service(tiny_checkpoint)
+    sink, handed, seen = Sink(), [], []  # seen: (responses handed over, requests completed) at each publish
+    send = svc._send
+    svc._send = lambda *args: handed.append(args) or send(*args)
+    svc._publish = lambda stats: seen.append((len(handed), stats["requests_completed"]))
+    try:
+        svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 5, "ignore_eos": True}), sink)
+        assert sink.done.wait(60) and len(sink.responses) == 5
+    finally:
+        svc.shutdown()
+    ends = [n for n, completed in seen if completed == 1]
+    assert ends[0] == 4  # published before the last response was handed over
+    assert {1, 2, 3, 4} <= {n for n, completed in seen if completed == 0}  # each after its step's token

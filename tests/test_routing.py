@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.routing import OeaPolicy, TruncatePolicy, RoutingPolicy, SerePolicy
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy, TruncatePolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels.fused_moe import fused_experts_reference
 
@@ -121,3 +121,20 @@ def test_truncate_keeps_the_first_k_experts_renormalised():
     new_ids, new_w = TruncatePolicy(k=2).route(0, probs, ids, w, torch.tensor([False, True]))
     assert new_ids[0].tolist() == [0, 1, 0] and torch.allclose(new_w[0], torch.tensor([0.625, 0.375, 0.0]))
     assert torch.equal(new_ids[1], ids[1]) and torch.equal(new_w[1], w[1])  # opted out
+
+
+def test_a_snapshot_that_does_not_wait_reads_the_last_landed_copy():
+    """snapshot(wait=False) never syncs: on CUDA the first returns what was read before (zeros) and
+    queues a copy, the next after that copy landed returns it; on the CPU it is snapshot()."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    stats = RoutingStats()
+    ids = torch.tensor([[0, 1], [1, 2]], device=device)
+    stats.add_step([(ids, ids)] * 3, rows=2, num_experts=4)
+    exact = stats.snapshot()
+    assert exact == {"layer_steps": 3, "union_before": 9, "union_after": 9, "rerouted_slots": 0}
+    stats.add_step([(ids, ids)] * 3, rows=2, num_experts=4)
+    first = stats.snapshot(wait=False)
+    if device == "cuda":
+        assert first == exact  # the copy of the second step's sums is only queued
+        torch.cuda.synchronize()
+    assert stats.snapshot(wait=False) == stats.snapshot() == {k: 2 * v for k, v in exact.items()}

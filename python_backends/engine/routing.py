@@ -26,12 +26,18 @@ class RoutingStats:
     """Sums over decode layer-steps; their ratios are the mean union before/after re-routing.
 
     Accumulated on the routing's device with a few ops per step (not per layer), so counting never
-    waits for the GPU; `snapshot()` reads them back (one sync) when they are published.
+    waits for the GPU. `snapshot()` reads them back with one sync; `snapshot(wait=False)` never
+    waits: it returns the sums as of the last copy to the host that has landed, and queues the next.
+    A periodic publish between two pipelined steps must not wait: the step in flight would finish
+    before the tokens of the step before it went out (engine.py, async scheduling).
     """
     FIELDS = ("layer_steps", "union_before", "union_after", "rerouted_slots")
 
     def __init__(self):
         self._sums: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # pinned: the copy of _sums queued last
+        self._copied: torch.cuda.Event | None = None  # recorded after that copy
+        self._read = [0] * len(self.FIELDS)  # the sums as last read on the host
 
     def add_step(self, routed: list[tuple[torch.Tensor, torch.Tensor]], rows: int, num_experts: int) -> None:
         """routed: (router's ids, ids computed) [T, K] of each MoE layer in one decode step; only the
@@ -50,9 +56,18 @@ class RoutingStats:
             self._sums = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=step.device)
         self._sums += step
 
-    def snapshot(self) -> dict[str, int]:
-        values = [0] * len(self.FIELDS) if self._sums is None else self._sums.tolist()
-        return dict(zip(self.FIELDS, values))
+    def snapshot(self, wait: bool = True) -> dict[str, int]:
+        if self._sums is not None and (wait or not self._sums.is_cuda):
+            self._read = self._sums.tolist()
+        elif self._sums is not None and (self._copied is None or self._copied.query()):
+            if self._copied is not None:
+                self._read = self._host.tolist()
+            if self._host is None:
+                self._host = torch.empty_like(self._sums, device="cpu", pin_memory=True)
+            self._host.copy_(self._sums, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return dict(zip(self.FIELDS, self._read))
 
 
 def _union_sizes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

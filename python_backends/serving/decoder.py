@@ -143,8 +143,9 @@ class DecoderService:
         (a tag of a request already finished, or never seen, is ignored)."""
         self._inbox.put(Cancel(tag))
 
-    def stats(self) -> dict[str, float]:
-        """Counters (only grow) and gauges of the service, the engine's KV cache, its routing and the load."""
+    def stats(self, wait: bool = True) -> dict[str, float]:
+        """Counters (only grow) and gauges of the service, the engine's KV cache, its routing and the load.
+        wait False: the routing sums as of the GPU's last landed copy (`RoutingStats.snapshot`)."""
         sched, control = self.engine.scheduler, self._controller
         return {**self.counts, "preemptions": sched.num_preemptions,
                 "engine_steps": self.engine.steps_run, "engine_steps_pipelined": self.engine.steps_pipelined,
@@ -153,7 +154,7 @@ class DecoderService:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "degradation_level": control.level if control else 0,
                 "load_pressure": round(control.pressure, 3) if control else 0.0,
-                **self.engine.routing_stats.snapshot(), **self._gc.stats()}
+                **self.engine.routing_stats.snapshot(wait), **self._gc.stats()}
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final
@@ -202,14 +203,23 @@ class DecoderService:
             reply = None if p is None else self._reply(p, token)
             if reply is not None:
                 replies.append(reply)
-        # Publish once, before the last responses go out: a client that has its last response then
-        # finds its work in the metrics (one publish per step, however many requests end in it).
-        try:
-            self._maybe_publish(force=any(final for _, _, final in replies))
-        except Exception as e:  # the metrics must never cost a client its answer
-            self._log_error(f"moe_decoder metrics: {e!r}")
+        # A request ends: publish once (however many end), exactly, before the last responses go out, so
+        # that a client that has its last response finds its work in the metrics. Otherwise the periodic
+        # publish comes after the tokens and never waits for the GPU: the tokens of the step before the
+        # one in flight would wait for it (every METRICS_PERIOD_S, a gap of two steps).
+        ending = any(final for _, _, final in replies)
+        if ending:
+            self._publish_safely(force=True)
         for p, response, final in replies:
             self._send(p, response, final)
+        if not ending:
+            self._publish_safely(force=False)
+
+    def _publish_safely(self, force: bool) -> None:
+        try:
+            self._maybe_publish(force)
+        except Exception as e:  # the metrics must never cost a client its answer
+            self._log_error(f"moe_decoder metrics: {e!r}")
 
     def _wait_for_turn(self) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
@@ -230,7 +240,7 @@ class DecoderService:
         if self._publish is None or (not force and self.engine.has_work and now - self._published_at < METRICS_PERIOD_S):
             return
         self._published_at = now
-        self._publish(self.stats())
+        self._publish(self.stats(wait=force))
 
     def _sample_load(self) -> None:
         """Once per metrics period (the loop turns at least every 0.1 s, idle or not): the load, and
