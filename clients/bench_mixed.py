@@ -154,7 +154,7 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
                 preemptions=diff(before, after, "zipmoe_preemptions_total"),
                 gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),
                 gc_full_collections=diff(before, after, "zipmoe_gc_full_collections_total"),
-                gc_pause_ms=None if (us := diff(before, after, "zipmoe_gc_pause_microseconds_total")) is None else us / 1e3,
+                gc_pause_us=diff(before, after, "zipmoe_gc_pause_microseconds_total"),
                 experts_read=routing_effect(before, after)["experts_read"] if after else None,
                 image_size=a.image_size[0], channel=a.channel, note=f"{a.streams} streams + {what} every {a.period:g} s")]
 

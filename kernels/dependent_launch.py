@@ -45,10 +45,6 @@ def enabled_as(enabled: bool):
         _enabled = saved
 
 
-def enabled(device: torch.device) -> bool:
-    return _enabled and _supported(torch.device(device))
-
-
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:  # cached: an eager prefill step launches thousands of kernels
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
@@ -57,7 +53,7 @@ def _supported(device: torch.device) -> bool:  # cached: an eager prefill step l
 
 def launch_options(device: torch.device) -> dict:
     """The keywords a kernel launch adds: `PDL` (the kernel's constexpr) and `launch_pdl`."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if _enabled and _supported(torch.device(device)) else {"PDL": False}
 
 
 @triton.jit

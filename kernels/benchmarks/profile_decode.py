@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +30,7 @@ from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import dependent_launch
 
 from .bench_kernels import CFG, build_engine
-from .timing import copy_gbps, cuda_time_us
+from .timing import copy_gbps, cuda_time_us, wall_ms
 
 REPLAYS = 10
 
@@ -87,25 +85,19 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
     seqs = [engine.add_request(tokens(context), SamplingParams(max_tokens=256, ignore_eos=True)) for _ in range(batch)]
     while any(len(s.output_ids) == 0 for s in seqs):
         engine.step()
+    new_prompt = tokens(prompt)
 
-    def timed_step(new_prompt: int) -> float:
-        if new_prompt:  # one token: the request is done after the step that prefills it
-            engine.add_request(tokens(new_prompt), SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def prefill_step():  # one token: the new request is done after the step that prefills it
+        engine.add_request(new_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         engine.step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
 
     runner = engine.runner
     graphs = runner.prefill_graphs
-    timed_step(prompt)  # warm-up: compiles the prefill shapes' kernels
-    mixed = statistics.median(timed_step(prompt) for _ in range(reps))
+    mixed = wall_ms(prefill_step, cuda=True, reps=reps)  # its warm-up compiles the prefill shapes' kernels
     runner.prefill_graphs = None  # the same steps eagerly
-    timed_step(prompt)
-    eager = statistics.median(timed_step(prompt) for _ in range(reps))
-    decode = statistics.median(timed_step(0) for _ in range(reps))
-    engine.add_request(tokens(prompt), SamplingParams(max_tokens=1, ignore_eos=True))
+    eager = wall_ms(prefill_step, cuda=True, reps=reps)
+    decode = wall_ms(engine.step, cuda=True, reps=reps)
+    engine.add_request(new_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()

@@ -41,6 +41,15 @@ def capturing():
             gc.enable()
 
 
+def capture(fn, pool):
+    """fn() captured in a new CUDA graph that draws on `pool` (None: a new pool): (graph, fn's output,
+    which every replay rewrites)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class DecodeGraphs:
     def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, max_batch: int, max_blocks: int):
         self.model = model
@@ -62,9 +71,7 @@ class DecodeGraphs:
             for b in reversed(self.buckets):
                 step, rows = self._step(b), self.rows[:b]
                 model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[b] = model.forward(self.input_ids[:b], step, kv, rows)
+                graph, self.outputs[b] = capture(lambda: model.forward(self.input_ids[:b], step, kv, rows), pool)
                 pool = graph.pool()
                 self.graphs[b] = graph
         torch.cuda.synchronize()

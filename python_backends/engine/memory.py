@@ -60,7 +60,8 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 1 << 30
         return (f"{self.device} {self.total / gib:.1f} GiB x {self.utilization}: weights {self.weights / gib:.1f} GiB, "
-                f"worst-case step {self.activations / gib:.2f} GiB, prefill graphs {self.graphs / gib:.2f} GiB, reserve {RESERVE_BYTES / gib:.1f} GiB, "
+                f"worst-case step {self.activations / gib:.2f} GiB, prefill graphs {self.graphs / gib:.2f} GiB, "
+                f"reserve {RESERVE_BYTES / gib:.1f} GiB, "
                 f"free {self.free / gib:.1f} GiB -> KV cache {max(self.kv_bytes(), 0) / gib:.1f} GiB")
 
 

@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from .cuda_graphs import capturing
+from .cuda_graphs import capture, capturing
 from .kv_cache import KVCache
 from .model import Qwen3VLMoeTextDecoder, StepInputs, StepOutput
 
@@ -110,9 +110,7 @@ class PrefillGraphs:
                     h = piece(h)
                 h, graphs = self.hidden[:b], []
                 for piece in pieces:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        h = piece(h)
+                    graph, h = capture(partial(piece, h), pool)
                     pool = graph.pool()
                     graphs.append(graph)
                 self.graphs[b], self.outputs[b] = graphs, h

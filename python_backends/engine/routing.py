@@ -54,16 +54,18 @@ class RoutingStats:
         step = torch.stack([torch.full_like(union_before, len(routed)), union_before, union_after, moved])
         if self._sums is None:
             self._sums = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=step.device)
+            if self._sums.is_cuda:  # where snapshot(wait=False) copies them to
+                self._host = torch.empty_like(self._sums, device="cpu", pin_memory=True)
         self._sums += step
 
     def snapshot(self, wait: bool = True) -> dict[str, int]:
-        if self._sums is not None and (wait or not self._sums.is_cuda):
+        if self._sums is None:
+            return dict(zip(self.FIELDS, self._read))
+        if wait or not self._sums.is_cuda:
             self._read = self._sums.tolist()
-        elif self._sums is not None and (self._copied is None or self._copied.query()):
+        elif self._copied is None or self._copied.query():  # the last copy landed (or none was queued)
             if self._copied is not None:
                 self._read = self._host.tolist()
-            if self._host is None:
-                self._host = torch.empty_like(self._sums, device="cpu", pin_memory=True)
             self._host.copy_(self._sums, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
