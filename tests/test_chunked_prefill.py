@@ -1,10 +1,12 @@
 """Chunked prefill: a prompt computed over several steps (chunk boundaries inside image-token runs,
 DeepStack rows and mRoPE positions spliced per chunk) gives the logits of a one-shot prefill, and
 a sequence that decodes beside someone else's chunks gets the tokens it gets alone; such steps run
-as piecewise graphs give what they give eagerly."""
+as piecewise graphs, or with each prompt token a row of a decode step (runner.prompt_rows), give what
+they give eagerly."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.prefill_graphs import PrefillGraphs, prefill_buckets
+from zipmoe.engine.runner import is_decode
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
@@ -31,10 +34,11 @@ def request_with_images(tiny_checkpoint):
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def engine(checkpoint, budget: int, device: str = "cpu") -> LLMEngine:
+def engine(checkpoint, budget: int, device: str = "cpu", max_num_seqs: int = 4) -> LLMEngine:
     """float32 on either device: chunks take other attention kernels than one shot, bf16 would blur them."""
     return LLMEngine(checkpoint, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
-                                              max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget))
+                                              max_model_len=256, max_num_seqs=max_num_seqs,
+                                              max_num_batched_tokens=budget))
 
 
 def prefill_logits(eng: LLMEngine, ids, visual) -> tuple[torch.Tensor, int]:
@@ -151,6 +155,7 @@ def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_imag
 
     def run(pieces: bool):
         eng = engine(tiny_checkpoint, budget, device)
+        eng.runner.prompt_row_context = 0  # no step rides a decode graph instead (runner.prompt_rows)
         compared = None
         if pieces:
             graphs = PrefillGraphs(eng.model, eng.runner.kv, 40, capture=device == "cuda")
@@ -174,3 +179,86 @@ def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_imag
     tol = 1e-5 if device == "cpu" else 1e-4
     for _, got, want in compared.steps:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def admit_beside_a_stream(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """A text stream decodes; each prompt then arrives, is prefilled beside it (in chunks where the budget
+    is small) and generates a few tokens. The output ids of the stream and of each request."""
+    a = eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    seqs = [a]
+    for prompt in prompts:
+        seqs.append(eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+        while not seqs[-1].output_ids:
+            eng.step()
+    while eng.has_work:
+        eng.step()
+    return [s.output_ids for s in seqs]
+
+
+PROMPTS = [list(range(40, 53)), [7, 8, 9]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, device):
+    """Each step with prompt chunks (chunks that start mid-prompt, beside a decoding stream's token or
+    not), computed as decode rows, one per prompt token over its own sequence's cache, gives the mixed
+    step's logits in every row (the runner's eager decode forward on the same rows here)."""
+    eng = engine(tiny_checkpoint, 8, device, max_num_seqs=8)
+    runner, compared = eng.runner, []
+    run = runner.run
+
+    def both(batch):
+        if not all(is_decode(seq, n) for seq, n in batch):
+            ids, step, sampling = runner.prepare_mixed(batch)
+            want = eng.model.forward(ids, step, runner.kv, torch.arange(ids.shape[0], device=ids.device)).logits
+            tensors, rows = runner.prompt_rows(batch)
+            assert rows == sampling.tolist()
+            ids, step, all_rows = runner.prepare_decode(tensors)
+            compared.append((eng.model.forward(ids, step, runner.kv, all_rows).logits, want))
+        return run(batch)
+
+    runner.run = both
+    admit_beside_a_stream(eng, PROMPTS)
+    # The stream's prompt in chunks of 8, 8 and 4, the next prompt's 7 and 6 beside its token, the last one's 3.
+    assert len(compared) == 6
+    tol = 1e-5 if device == "cpu" else 1e-4
+    for got, want in compared:
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_only_text_chunks_with_little_context_ride_a_decode_graph(tiny_checkpoint, request_with_images):
+    ids, visual = request_with_images
+    eng = engine(tiny_checkpoint, 256)
+    runner = eng.runner
+    runner.graphs = SimpleNamespace(max_batch=8)  # the decision only: a CPU engine has no graphs
+    image = eng.add_request(ids, SamplingParams(max_tokens=4), visual=visual)
+    text = eng.add_request(list(range(10, 15)), SamplingParams(max_tokens=4))
+    first_image_row = image.image_rows[0]
+    assert runner.rides_decode_graph([(text, 5)])
+    assert not runner.rides_decode_graph([(image, first_image_row + 1)])  # an image token in the chunk
+    image.num_cached = image.image_rows[-1] + 1  # the text after the images
+    assert runner.rides_decode_graph([(image, 1), (text, 5)])
+    assert not runner.rides_decode_graph([(image, 4), (text, 5)])  # 9 rows, the graphs hold 8
+    runner.prompt_row_context = image.num_cached + 1 + 5 * 6 // 2
+    assert runner.rides_decode_graph([(image, 1), (text, 5)])  # contexts: num_cached + 1, then 1 + ... + 5
+    runner.prompt_row_context -= 1
+    assert not runner.rides_decode_graph([(image, 1), (text, 5)])
+
+
+@pytest.mark.gpu
+def test_prompts_riding_the_decode_graphs_give_the_eager_tokens(tiny_checkpoint):
+    """On CUDA the short prompts' steps replay a decode graph (prompt_rows), counted here, and every
+    sequence gets the tokens of the same engine without that path (piecewise graphs, then eager)."""
+    def run(rows: bool):
+        eng = engine(tiny_checkpoint, 8, "cuda", max_num_seqs=8)
+        if not rows:
+            eng.runner.prompt_row_context = 0
+        rode, prompt_rows = [], eng.runner.prompt_rows
+        eng.runner.prompt_rows = lambda batch: rode.append(batch) or prompt_rows(batch)
+        return admit_beside_a_stream(eng, PROMPTS), len(rode)
+
+    (plain, none), (riding, rode) = run(rows=False), run(rows=True)
+    assert none == 0 and rode == 6
+    assert riding == plain

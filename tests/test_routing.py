@@ -83,7 +83,8 @@ PROMPTS = [list(range(10 + i, 30 + i)) for i in range(16)]
 
 
 def run(checkpoint, policy: RoutingPolicy, n=16, steps=12):
-    eng = LLMEngine(checkpoint, EngineConfig(num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=512))
+    eng = LLMEngine(checkpoint, EngineConfig(device="cpu", num_kv_blocks=128, max_model_len=256,
+                                             max_num_batched_tokens=512))  # CPU tables (GPU: test_engine_cuda)
     eng.set_routing_policy(policy)
     seqs = [eng.add_request(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in PROMPTS[:n]]
     while eng.has_work:

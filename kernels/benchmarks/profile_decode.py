@@ -11,9 +11,11 @@ captured without programmatic dependent launch (`kernels/dependent_launch.py`): 
 kernel's recorded span starts at its early launch and includes its wait for the one before, so
 spans overlap and no kernel's own time shows; bench_kernels' decode rows time the step with it.
 With --mixed B it also times (also without PDL) the step that prefills one new prompt (512 tokens,
-or each of --mixed-prompts) beside B decoding sequences (what a stream sees when another request arrives), as the engine runs
-it (piecewise CUDA graphs, engine/prefill_graphs.py) and eagerly: wall times, the eager step's sum of
-kernel times and launch count, and the plain decode step's wall time beside them.
+or each of --mixed-prompts) beside B decoding sequences (what a stream sees when another request
+arrives): as the engine runs it (a short prompt's tokens as rows of a decode graph, engine/runner.py;
+a longer one as piecewise CUDA graphs, engine/prefill_graphs.py), as piecewise graphs, and eagerly:
+wall times, the eager step's sum of kernel times and launch count, and the plain decode step's wall
+time beside them.
 Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
 """
 from __future__ import annotations
@@ -78,8 +80,8 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
 
 def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, reps: int = 5) -> dict:
     """Wall ms of the step that prefills a new `prompt`-token request beside `batch` decoding ones
-    (median of `reps`, the device idle at both ends), with the engine's prefill graphs and without;
-    one more eager such step profiled for its kernels; and the plain decode step's wall ms."""
+    (median of `reps`, the device idle at both ends): as the engine runs it, as piecewise graphs, and
+    eagerly; one more eager such step profiled for its kernels; and the plain decode step's wall ms."""
     g = torch.Generator().manual_seed(batch)
     tokens = lambda n: torch.randint(0, 150000, (n,), generator=g).tolist()
     seqs = [engine.add_request(tokens(context), SamplingParams(max_tokens=256, ignore_eos=True)) for _ in range(batch)]
@@ -92,9 +94,14 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
         engine.step()
 
     runner = engine.runner
-    graphs = runner.prefill_graphs
+    graphs, prompt_rows = runner.prefill_graphs, runner.prompt_row_context
+    rode = []  # the steps that ran as prompt rows of a decode graph
+    runner.prompt_rows = lambda b: rode.append(b) or type(runner).prompt_rows(runner, b)
     mixed = wall_ms(prefill_step, cuda=True, reps=reps)  # its warm-up compiles the prefill shapes' kernels
-    runner.prefill_graphs = None  # the same steps eagerly
+    del runner.prompt_rows
+    runner.prompt_row_context = 0  # the same steps as pieces ...
+    piecewise = wall_ms(prefill_step, cuda=True, reps=reps)
+    runner.prefill_graphs = None  # ... and eagerly
     eager = wall_ms(prefill_step, cuda=True, reps=reps)
     decode = wall_ms(engine.step, cuda=True, reps=reps)
     engine.add_request(new_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -102,13 +109,15 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    runner.prefill_graphs = graphs
+    runner.prefill_graphs, runner.prompt_row_context = graphs, prompt_rows
     for s in seqs:
         engine.abort(s)
     while engine.has_work:
         engine.step()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
-    return {"batch": batch, "prompt": prompt, "mixed_step_ms": round(mixed, 2), "mixed_eager_step_ms": round(eager, 2),
+    return {"batch": batch, "prompt": prompt, "mixed_step_ms": round(mixed, 2),
+            "rode_decode_graph": bool(rode),
+            "mixed_piecewise_step_ms": round(piecewise, 2), "mixed_eager_step_ms": round(eager, 2),
             "decode_step_ms": round(decode, 2),
             "mixed_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),
             "mixed_launches": sum(e.count for e in kernels)}

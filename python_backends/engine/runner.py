@@ -3,8 +3,15 @@
 A step whose every sequence computes just its newest token is a decode step: attention over the
 paged cache, the routing policy, and on CUDA a replay of the batch size's CUDA graph; its routing
 goes into `routing_stats`. A step with prompt chunks in it takes plain top-K routing (its decode
-rows too: the chunk's tokens activate most experts anyway); on CUDA, up to `prefill_graph_tokens`
-tokens, it replays piecewise graphs around an eager attention (prefill_graphs.py), else it runs eagerly.
+rows too: the chunk's tokens activate most experts anyway). On CUDA such a step runs, by size:
+
+  - text-only chunks with little context, the step's tokens fitting a decode graph's rows: a replay of
+    that graph, each prompt token a row of its own (`prompt_rows`). Paged decode attention over a
+    row's own sequence up to its own slot is causal attention, so the step is the same computation;
+    what it costs is that each row reads its context by itself (PROMPT_ROW_CONTEXT bounds that).
+    This is the step that admits a short request beside running streams: one replay, not ~900 launches;
+  - up to `prefill_graph_tokens` tokens: piecewise graphs around an eager attention (prefill_graphs.py);
+  - larger: eagerly.
 """
 from __future__ import annotations
 
@@ -22,6 +29,11 @@ from .sampler import sample
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
+# A step's prompt rows ride a decode graph while their contexts sum to at most this many tokens: each
+# row reads its context from the cache by itself (at the 30B shape 96 KiB a token over 48 layers, so
+# the bound keeps that under ~6 GiB, about 1.5 ms, where the piecewise path spends ~15 ms of host time).
+PROMPT_ROW_CONTEXT = 1 << 16
+
 
 class ModelRunner:
     def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, blocks: BlockManager, max_num_seqs: int,
@@ -38,6 +50,8 @@ class ModelRunner:
         self.capture_graphs()
         self.prefill_graphs = (PrefillGraphs(model, kv, prefill_graph_tokens)
                                if self.use_graphs and prefill_graph_tokens else None)
+        # Prompt rows in a decode graph: not under expert parallel (untried there); benchmarks set 0 (off).
+        self.prompt_row_context = PROMPT_ROW_CONTEXT if model.shard is None else 0
 
     def capture_graphs(self) -> None:
         if self.use_graphs:
@@ -101,10 +115,7 @@ class ModelRunner:
         Built with numpy from each sequence's int32 table (BlockManager keeps it): a decode step's
         host work is on the critical path between two graph replays."""
         B, bs = len(seqs), self.blocks.block_size
-        rows = [table_row(s) for s in seqs]
-        tables = np.zeros((B, max(len(r) for r in rows)), dtype=np.int32)
-        for i, r in enumerate(rows):
-            tables[i, :len(r)] = r
+        tables = self._tables(seqs)
         ctx = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=B)
         newest = ctx.astype(np.int64) - 1
         slots = tables[np.arange(B), newest // bs].astype(np.int64) * bs + newest % bs
@@ -114,6 +125,15 @@ class ModelRunner:
                     slots=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
                     context_lens=torch.from_numpy(ctx),
                     opt_out=torch.tensor([s.opt_out for s in seqs], dtype=torch.bool))
+
+    @staticmethod
+    def _tables(seqs: list[Sequence]) -> np.ndarray:
+        """int32 [len(seqs), longest table]: each sequence's block table, padded with block 0."""
+        rows = [table_row(s) for s in seqs]
+        tables = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.int32)
+        for i, r in enumerate(rows):
+            tables[i, :len(r)] = r
+        return tables
 
     def prepare_decode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
         # Queued copies of fresh host tensors: a blocking copy would wait for a step still in flight.
@@ -126,11 +146,52 @@ class ModelRunner:
         """One step; returns (sequence, next token) for each sequence whose scheduled tokens reach its
         end (a sequence still in the middle of its prompt samples nothing)."""
         if not all(is_decode(seq, n) for seq, n in batch):
-            ids, step, rows = self.prepare_mixed(batch)
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
-            return list(zip(sampling, sample(self._prefill(ids, step, rows), sampling).tolist()))
+            if self.rides_decode_graph(batch):
+                tensors, rows = self.prompt_rows(batch)
+                logits = self._decode(tensors, counted=0)[rows]  # top-K for every row: none counted
+            else:
+                ids, step, rows = self.prepare_mixed(batch)
+                logits = self._prefill(ids, step, rows)
+            return list(zip(sampling, sample(logits, sampling).tolist()))
         seqs = [seq for seq, _ in batch]
         return list(zip(seqs, self.launch_decode(seqs, None).tolist()))
+
+    def rides_decode_graph(self, batch: ScheduledBatch) -> bool:
+        """A step with prompt chunks runs as `prompt_rows` in a decode graph: its tokens fit the largest
+        graph, no chunk holds an image token (those need the visual rows and DeepStack), and its prompt
+        rows' contexts sum to at most prompt_row_context (not while a calibration hook watches the MoE)."""
+        if self.graphs is None or self.model.moe_input_hook is not None:
+            return False
+        if sum(n for _, n in batch) > self.graphs.max_batch:
+            return False
+        context = 0  # the prompt rows' (a decode row reads its context in any step)
+        for seq, n in batch:
+            start = seq.num_cached
+            if seq.visual is not None and bisect_left(seq.image_rows, start) < bisect_left(seq.image_rows, start + n):
+                return False
+            if not is_decode(seq, n):
+                context += n * start + n * (n + 1) // 2
+        return context <= self.prompt_row_context
+
+    def prompt_rows(self, batch: ScheduledBatch) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """A step with prompt chunks as the host tensors of a decode step (decode_batch's), one row per
+        token: the token at index i of its sequence gets that index's position, its own cache slot and
+        context length i + 1 (its K/V is written before the attention reads it); every row opts out of
+        re-routing. Also the rows whose logits sample: each sequence's row that reaches its end."""
+        counts = [n for _, n in batch]
+        index = np.concatenate([np.arange(seq.num_cached, seq.num_cached + n) for seq, n in batch])
+        tables = np.repeat(self._tables([seq for seq, _ in batch]), counts, axis=0)
+        bs = self.blocks.block_size
+        slots = tables[np.arange(len(index)), index // bs].astype(np.int64) * bs + index % bs
+        ends = np.cumsum(counts) - 1
+        tensors = dict(input_ids=torch.tensor([t for seq, n in batch for t in seq.all_ids[seq.num_cached:seq.num_cached + n]]),
+                       positions=torch.cat([self._positions(seq)[:, seq.num_cached:seq.num_cached + n]
+                                            for seq, n in batch], dim=1),
+                       slots=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
+                       context_lens=torch.from_numpy((index + 1).astype(np.int32)),
+                       opt_out=torch.ones(len(index), dtype=torch.bool))
+        return tensors, [int(ends[i]) for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
 
     def launch_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
         """A decode step whose next tokens stay on the device ([B], queued, not waited for).
@@ -139,7 +200,7 @@ class ModelRunner:
         tensors = self.decode_batch(seqs)
         if input_ids is not None:
             tensors["input_ids"] = input_ids
-        return sample(self._decode(seqs, tensors), seqs)
+        return sample(self._decode(tensors, counted=len(seqs)), seqs)
 
     def _prefill(self, ids: torch.Tensor, step: StepInputs, rows: torch.Tensor) -> torch.Tensor:
         """The forward of a step with prompt chunks -> logits [len(rows), vocab]: replayed pieces where
@@ -149,15 +210,16 @@ class ModelRunner:
             return graphs.forward(ids, step, rows).logits
         return self.model.forward(ids, step, self.kv, rows).logits
 
-    def _decode(self, seqs: list[Sequence], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]."""
-        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+    def _decode(self, tensors: dict[str, torch.Tensor], counted: int) -> torch.Tensor:
+        """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]; the routing of
+        the first `counted` rows goes into routing_stats (decode tokens; never a graph's padding rows)."""
+        if self.graphs is not None and tensors["input_ids"].shape[0] <= self.graphs.max_batch:
             out = self.graphs.run(**tensors)
         else:
             ids, step, rows = self.prepare_decode(tensors)
             out = self.model.forward(ids, step, self.kv, rows)
-        # Only the real rows count: a graph's bucket pads the batch with copies of row 0.
-        self.routing_stats.add_step(out.routing, len(seqs), self.model.cfg.num_experts)
+        if counted:
+            self.routing_stats.add_step(out.routing, counted, self.model.cfg.num_experts)
         return out.logits
 
 
