@@ -66,12 +66,19 @@ def test_a_batch_without_images_takes_no_turn(tmp_path):
     holder.close()
 
 
-def test_an_arrival_ends_the_wait(tmp_path):
-    holder = TurnHolder(tmp_path / "turn", 5_000)
-    calls = []
+def test_only_an_arrival_after_the_release_ends_the_wait(tmp_path, monkeypatch):
+    """A request that comes while the tower works is someone else's and waits for the turn too; once the
+    holder released, the next one (its own image request) ends the wait before the hand-off runs out."""
+    monkeypatch.setattr(gpu_turn, "HANDOFF_MS", 5_000.0)
+    holder, waiter = TurnHolder(tmp_path / "turn", 60_000), TurnWaiter(tmp_path / "turn")
+    calls, waited = [], []
     with holder.held():
-        waited = TurnWaiter(tmp_path / "turn").wait(arrived=lambda: calls.append(1) or len(calls) > 3)
-    assert waited < 1.0 and len(calls) == 4
+        thread = threading.Thread(target=lambda: waited.append(waiter.wait(arrived=lambda: calls.append(1) or True)))
+        thread.start()
+        time.sleep(0.2)
+        assert thread.is_alive() and calls == []  # arrivals are not even asked about while the holder works
+    thread.join(5)
+    assert not thread.is_alive() and 0.15 <= waited[0] < 1.0 and len(calls) == 1
     holder.close()
 
 

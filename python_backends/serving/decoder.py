@@ -223,7 +223,8 @@ class DecoderService:
 
     def _wait_for_turn(self) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
-        a row), until a request arrives, which the step that follows admits, or the service stops.
+        a row), until a request arrives after its release (its own: the step that follows admits it),
+        or the service stops.
         The step in flight (async scheduling) finishes during the turn: its tokens go out first."""
         if self._gpu_turn.held():
             self._drop_cancelled()  # first, as before a step: a stopped request gets no more tokens

@@ -14,8 +14,11 @@ holds the GPU: now + gpu_turn_ms when a batch of requests starts, now + HANDOFF_
 responses are built (the time they take to reach moe_decoder), so a holder that dies or hangs
 blocks nobody for longer. The waiter, moe_decoder's engine thread before a step while it has work,
 sleeps while any holder's deadline is ahead (the deadline it saw first, or a release's if sooner),
-and stops at once when a request arrives (the image request whose tokens were just made: the step
-that follows admits it, and that turn is not waited for again). It never holds back two steps in a
+and stops at once when a request arrives after the release (the image request whose tokens were
+just made: the step that follows admits it, and that turn is not waited for again). A request that
+arrives while the holder still works is someone else's (a running stream's next question) and waits
+for the turn too: ended by it, the turn left the tower's work beside a run of time-sliced steps,
+which in the `mixed` bench gave each stream 1.6 long gaps in that window instead of one (session 22). It never holds back two steps in a
 row, so back-to-back turns still leave the streams a step between them. With async scheduling a
 step is already on the GPU when the wait starts: the decoder reads it back and sends its tokens
 before it sleeps (`held()`), so a stream pauses once per image request, from its last token before
@@ -91,17 +94,18 @@ class TurnWaiter:
         return current > time.monotonic_ns() and current != self._answered
 
     def wait(self, arrived: Callable[[], bool]) -> float:
-        """Sleeps while a holder's deadline is ahead, or until arrived() says a request came;
-        returns the seconds slept (0.0 when no holder holds the GPU, and after a call that slept).
-        A release shortens the wait, a turn taken meanwhile never lengthens it, and a turn whose
-        request has arrived is not waited for again."""
+        """Sleeps while a holder's deadline is ahead, or until arrived() says a request came once the
+        holder released (its deadline a hand-off away); returns the seconds slept (0.0 when no holder
+        holds the GPU, and after a call that slept). A release shortens the wait, a turn taken meanwhile
+        never lengthens it, and a turn whose request has arrived is not waited for again."""
         if self._reader is None or self._waited_last:
             self._waited_last = False
             return 0.0
         start = now = time.monotonic_ns()
         until = current = self._reader.read()
+        handoff = int(HANDOFF_MS * 1e6)
         while until > now and current != self._answered:
-            if arrived():
+            if current - now <= handoff and arrived():
                 self._answered = current
                 break
             time.sleep(POLL_S)
