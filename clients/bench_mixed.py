@@ -155,9 +155,25 @@ def bench_mixed(b, text_only: bool = False) -> list[dict]:
                 gpu_turn_waits=diff(before, after, "zipmoe_gpu_turn_waits_total"),
                 gc_full_collections=diff(before, after, "zipmoe_gc_full_collections_total"),
                 gc_pause_us=diff(before, after, "zipmoe_gc_pause_microseconds_total"),
+                prompt_steps=prompt_steps(before, after),
                 experts_read=routing_effect(before, after)["experts_read"] if after else None,
                 image_size=a.image_size[0], channel=a.channel, note=f"{a.streams} streams + {what} every {a.period:g} s")]
 
+
+
+PROMPT_STEPS = "zipmoe_prompt_steps_"
+
+
+def prompt_steps(before: dict, after: dict) -> dict:
+    """The window's steps with prompt tokens by how moe_decoder ran them (engine/runner.py's paths, as
+    its zipmoe_prompt_steps_<path>_total metrics name them): {path: {steps, mean_ms}} (mean_ms None
+    without a step)."""
+    out = {}
+    for path in sorted(m[len(PROMPT_STEPS):-len("_total")] for m in after if m.startswith(PROMPT_STEPS)):
+        n = diff(before, after, f"zipmoe_prompt_steps_{path}_total")
+        us = diff(before, after, f"zipmoe_prompt_step_{path}_microseconds_total")
+        out[path] = {"steps": n, "mean_ms": round(us / n / 1e3, 2) if n and us is not None else None}
+    return out
 
 
 def long_gap_phases(responses: list[list[float]], requests: list[tuple[float, float]], median_ms: float,

@@ -1,5 +1,6 @@
-"""clients/bench_mixed.py (long_gap_phases): the mixed bench's long gaps placed against the image requests."""
-from zipmoe.clients.bench_mixed import long_gap_phases
+"""clients/bench_mixed.py: the mixed bench's long gaps placed against the image requests (long_gap_phases),
+the window's steps with prompt tokens by path (prompt_steps)."""
+from zipmoe.clients.bench_mixed import long_gap_phases, prompt_steps
 
 
 def test_long_gaps_are_counted_binned_and_matched_to_first_tokens():
@@ -19,3 +20,13 @@ def test_gaps_before_any_request_and_short_gaps_are_left_out_of_the_bins():
     assert out["long_gaps"] == 1 and out["start_after_send_ms"] == {}
     none = long_gap_phases([[0.0, 0.01]], [], median_ms=10.0, streams=1)
     assert none["long_gaps"] == 0 and none["per_request_and_stream"] is None  # no image request in the window
+
+
+def test_prompt_steps_by_path_over_the_window():
+    before = {"zipmoe_prompt_steps_decode_graph_total": 2, "zipmoe_prompt_step_decode_graph_microseconds_total": 20_000}
+    after = {"zipmoe_prompt_steps_decode_graph_total": 6, "zipmoe_prompt_step_decode_graph_microseconds_total": 66_000,
+             "zipmoe_prompt_steps_eager_total": 0, "zipmoe_prompt_step_eager_microseconds_total": 0,
+             "zipmoe_requests_completed_total": 9}
+    assert prompt_steps(before, after) == {"decode_graph": {"steps": 4, "mean_ms": 11.5},
+                                           "eager": {"steps": 0, "mean_ms": None}}
+    assert prompt_steps({}, {}) == {}  # no metrics endpoint

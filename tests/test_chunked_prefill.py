@@ -211,18 +211,24 @@ def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, device):
 
     def both(batch):
         if not all(is_decode(seq, n) for seq, n in batch):
-            ids, step, sampling = runner.prepare_mixed(batch)
-            want = eng.model.forward(ids, step, runner.kv, torch.arange(ids.shape[0], device=ids.device)).logits
+            # The rows first: their attention reads only what their own slots got (the mixed step after
+            # it writes the same K/V again).
             tensors, rows = runner.prompt_rows(batch)
-            assert rows == sampling.tolist()
+            assert tensors["opt_out"].all()
             ids, step, all_rows = runner.prepare_decode(tensors)
-            compared.append((eng.model.forward(ids, step, runner.kv, all_rows).logits, want))
+            got = eng.model.forward(ids, step, runner.kv, all_rows).logits
+            ids, step, sampling = runner.prepare_mixed(batch)
+            assert rows == sampling.tolist() and torch.equal(tensors["slots"].to(step.slots), step.slots)
+            want = eng.model.forward(ids, step, runner.kv, torch.arange(ids.shape[0], device=ids.device)).logits
+            compared.append((got, want))
         return run(batch)
 
     runner.run = both
     admit_beside_a_stream(eng, PROMPTS)
     # The stream's prompt in chunks of 8, 8 and 4, the next prompt's 7 and 6 beside its token, the last one's 3.
     assert len(compared) == 6
+    path = "eager" if device == "cpu" else "decode_graph"  # on CUDA each of these steps fits the graphs' 8 rows
+    assert {p: n for p, (n, _) in runner.prompt_steps.items() if n} == {path: 6}
     tol = 1e-5 if device == "cpu" else 1e-4
     for got, want in compared:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -257,8 +263,9 @@ def test_prompts_riding_the_decode_graphs_give_the_eager_tokens(tiny_checkpoint)
             eng.runner.prompt_row_context = 0
         rode, prompt_rows = [], eng.runner.prompt_rows
         eng.runner.prompt_rows = lambda batch: rode.append(batch) or prompt_rows(batch)
-        return admit_beside_a_stream(eng, PROMPTS), len(rode)
+        return admit_beside_a_stream(eng, PROMPTS), len(rode), eng.routing_stats.snapshot()
 
-    (plain, none), (riding, rode) = run(rows=False), run(rows=True)
+    (plain, none, plain_stats), (riding, rode, riding_stats) = run(rows=False), run(rows=True)
     assert none == 0 and rode == 6
     assert riding == plain
+    assert riding_stats == plain_stats  # the decode steps' routing only: no prompt row counted

@@ -15,6 +15,7 @@ rows too: the chunk's tokens activate most experts anyway). On CUDA such a step 
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 import numpy as np
@@ -33,6 +34,7 @@ from .sequence import Sequence
 # row reads its context from the cache by itself (at the 30B shape 96 KiB a token over 48 layers, so
 # the bound keeps that under ~6 GiB, about 1.5 ms, where the piecewise path spends ~15 ms of host time).
 PROMPT_ROW_CONTEXT = 1 << 16
+PROMPT_PATHS = ("decode_graph", "piecewise", "eager")  # how a step with prompt tokens ran, in that order of preference
 
 
 class ModelRunner:
@@ -52,6 +54,8 @@ class ModelRunner:
                                if self.use_graphs and prefill_graph_tokens else None)
         # Prompt rows in a decode graph: not under expert parallel (untried there); benchmarks set 0 (off).
         self.prompt_row_context = PROMPT_ROW_CONTEXT if model.shard is None else 0
+        # Steps with prompt tokens by path: [steps, seconds from their inputs to their tokens on the host].
+        self.prompt_steps = {path: [0, 0.0] for path in PROMPT_PATHS}
 
     def capture_graphs(self) -> None:
         if self.use_graphs:
@@ -146,14 +150,19 @@ class ModelRunner:
         """One step; returns (sequence, next token) for each sequence whose scheduled tokens reach its
         end (a sequence still in the middle of its prompt samples nothing)."""
         if not all(is_decode(seq, n) for seq, n in batch):
+            start = time.perf_counter()
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
             if self.rides_decode_graph(batch):
                 tensors, rows = self.prompt_rows(batch)
-                logits = self._decode(tensors, counted=0)[rows]  # top-K for every row: none counted
+                logits, path = self._decode(tensors, counted=0)[rows], "decode_graph"  # top-K for every row: none counted
             else:
                 ids, step, rows = self.prepare_mixed(batch)
-                logits = self._prefill(ids, step, rows)
-            return list(zip(sampling, sample(logits, sampling).tolist()))
+                logits, path = self._prefill(ids, step, rows)
+            tokens = sample(logits, sampling).tolist()
+            record = self.prompt_steps[path]
+            record[0] += 1
+            record[1] += time.perf_counter() - start
+            return list(zip(sampling, tokens))
         seqs = [seq for seq, _ in batch]
         return list(zip(seqs, self.launch_decode(seqs, None).tolist()))
 
@@ -202,13 +211,14 @@ class ModelRunner:
             tensors["input_ids"] = input_ids
         return sample(self._decode(tensors, counted=len(seqs)), seqs)
 
-    def _prefill(self, ids: torch.Tensor, step: StepInputs, rows: torch.Tensor) -> torch.Tensor:
-        """The forward of a step with prompt chunks -> logits [len(rows), vocab]: replayed pieces where
-        the step fits a bucket (not while a calibration hook watches the MoE inputs), else eager."""
+    def _prefill(self, ids: torch.Tensor, step: StepInputs, rows: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """The forward of a step with prompt chunks -> (logits [len(rows), vocab], its PROMPT_PATHS name):
+        replayed pieces where the step fits a bucket (not while a calibration hook watches the MoE
+        inputs), else eager."""
         graphs = self.prefill_graphs
         if graphs is not None and ids.shape[0] <= graphs.max_tokens and self.model.moe_input_hook is None:
-            return graphs.forward(ids, step, rows).logits
-        return self.model.forward(ids, step, self.kv, rows).logits
+            return graphs.forward(ids, step, rows).logits, "piecewise"
+        return self.model.forward(ids, step, self.kv, rows).logits, "eager"
 
     def _decode(self, tensors: dict[str, torch.Tensor], counted: int) -> torch.Tensor:
         """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]; the routing of

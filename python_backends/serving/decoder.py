@@ -107,6 +107,7 @@ class DecoderService:
                                      "decode_us", "decode_tokens", "prompt_tokens", "visual_tokens",
                                      "visual_tokens_kept", "gpu_turn_waits", "gpu_turn_wait_us"), 0)
         self._keys = itertools.count()
+        self._arrivals = 0  # requests queued so far
         self._writer = ResponseWriter(config.response_threads)
         self._gc = GcPauses()  # every collection stalls the engine loop: counted for the metrics
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
@@ -125,6 +126,7 @@ class DecoderService:
         self._inbox.put(Pending(ids, params, sink, bool(request.options.get("stream", False)),
                                 TextStream(self.token_bytes, params.stop), time.monotonic(), visual, kept, before,
                                 opt_out, next(self._keys), request.tag, request.keep_ratio))
+        self._arrivals += 1  # after the put: a wait this ends finds the request queued (_wait_for_turn)
 
     def _join_waiting(self) -> None:
         limit = self.config.max_waiting_requests
@@ -154,7 +156,13 @@ class DecoderService:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "degradation_level": control.level if control else 0,
                 "load_pressure": round(control.pressure, 3) if control else 0.0,
-                **self.engine.routing_stats.snapshot(wait), **self._gc.stats()}
+                **self.engine.routing_stats.snapshot(wait), **self._gc.stats(), **self._prompt_steps()}
+
+    def _prompt_steps(self) -> dict[str, int]:
+        """Steps with prompt tokens by how they ran (runner.PROMPT_PATHS), and their time in µs."""
+        steps = self.engine.runner.prompt_steps
+        return {**{f"prompt_steps_{path}": n for path, (n, _) in steps.items()},
+                **{f"prompt_step_us_{path}": int(s * 1e6) for path, (_, s) in steps.items()}}
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final
@@ -171,6 +179,8 @@ class DecoderService:
         self._live.clear()
         self._writer.close()  # after everything above is delivered
         self._gc.close()
+        if self._gpu_turn is not None:
+            self._gpu_turn.close()
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -185,9 +195,14 @@ class DecoderService:
                     self._fail(p, internal_error("moe_decoder engine step", e))
 
     def _iterate(self):
-        if self.engine.has_work and self._gpu_turn is not None:
-            self._wait_for_turn()  # first: a request that ends the wait is admitted into the step that follows
+        turn = self._gpu_turn
+        if turn is not None:
+            turn.busy(self.engine.has_work)  # for vision_encoder, which starts when no step is on the GPU
+            if self.engine.has_work:
+                self._wait_for_turn()  # first: a request that ends the wait is admitted into the step that follows
         self._admit(block=not self.engine.has_work)
+        if turn is not None:
+            turn.busy(self.engine.has_work)  # work may have just come to an idle decoder
         self._drop_cancelled()
         self._drop_overdue()
         results = self.engine.step() if self.engine.has_work else []
@@ -224,14 +239,15 @@ class DecoderService:
     def _wait_for_turn(self) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
         a row), until a request arrives after its release (its own: the step that follows admits it),
-        or the service stops.
+        or the service stops. `_arrivals` counts the requests queued (any thread: a lost count costs
+        at most the hand-off's 10 ms).
         The step in flight (async scheduling) finishes during the turn: its tokens go out first."""
         if self._gpu_turn.held():
             self._drop_cancelled()  # first, as before a step: a stopped request gets no more tokens
             self._emit(self.engine.read_back())
             if not self.engine.has_work:  # those were the last tokens: nothing to hold back
                 return
-        waited = self._gpu_turn.wait(arrived=lambda: self._stop.is_set() or not self._inbox.empty())
+        waited = self._gpu_turn.wait(arrivals=lambda: self._arrivals, stopping=self._stop.is_set)
         if waited:
             self.counts["gpu_turn_waits"] += 1
             self.counts["gpu_turn_wait_us"] += int(waited * 1e6)

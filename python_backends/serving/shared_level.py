@@ -160,6 +160,14 @@ class LevelReader:
             self._follow()
         return 0 if self._map is None else max(level for _, level in slots(self._map))
 
+    def live_levels(self) -> list[int]:
+        """Every slot's level whose writer is alive (a killed one's stays until a writer claims a slot)."""
+        self.read()  # follows the file as read() does
+        return [] if self._map is None else [level for pid, level in slots(self._map) if pid and not dead(pid)]
+
+    def close(self) -> None:
+        self._unmap()
+
     def _follow(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY)
