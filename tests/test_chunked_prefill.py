@@ -181,15 +181,17 @@ def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_imag
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def admit_beside_a_stream(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    """A text stream decodes; each prompt then arrives, is prefilled beside it (in chunks where the budget
-    is small) and generates a few tokens. The output ids of the stream and of each request."""
+def admit_beside_a_stream(eng: LLMEngine, prompts: list) -> list[list[int]]:
+    """A text stream decodes; each prompt (ids, or (ids, visual inputs)) then arrives, is prefilled beside
+    it (in chunks where the budget is small) and generates a few tokens. The output ids of the stream and
+    of each request."""
     a = eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(3):
         eng.step()
     seqs = [a]
     for prompt in prompts:
-        seqs.append(eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
+        ids, visual = prompt if isinstance(prompt, tuple) else (prompt, None)
+        seqs.append(eng.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True), visual=visual))
         while not seqs[-1].output_ids:
             eng.step()
     while eng.has_work:
@@ -201,16 +203,22 @@ PROMPTS = [list(range(40, 53)), [7, 8, 9]]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, device):
-    """Each step with prompt chunks (chunks that start mid-prompt, beside a decoding stream's token or
-    not), computed as decode rows, one per prompt token over its own sequence's cache, gives the mixed
-    step's logits in every row (the runner's eager decode forward on the same rows here)."""
+def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, request_with_images, device):
+    """Each step with text prompt chunks (chunks that start mid-prompt, beside a decoding stream's token or
+    not, and the text after an image request's images, at its mRoPE positions), computed as decode rows,
+    one per prompt token over its own sequence's cache, gives the mixed step's logits in every row (the
+    runner's eager decode forward on the same rows here)."""
     eng = engine(tiny_checkpoint, 8, device, max_num_seqs=8)
-    runner, compared = eng.runner, []
+    runner, compared, after_images = eng.runner, [], []
     run = runner.run
 
+    def text_only(batch):
+        return not any(seq.visual is not None and any(seq.num_cached <= r < seq.num_cached + n for r in seq.image_rows)
+                       for seq, n in batch)
+
     def both(batch):
-        if not all(is_decode(seq, n) for seq, n in batch):
+        if not all(is_decode(seq, n) for seq, n in batch) and text_only(batch):
+            after_images.append(any(seq.visual is not None and not is_decode(seq, n) for seq, n in batch))
             # The rows first: their attention reads only what their own slots got (the mixed step after
             # it writes the same K/V again).
             tensors, rows = runner.prompt_rows(batch)
@@ -224,11 +232,13 @@ def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, device):
         return run(batch)
 
     runner.run = both
-    admit_beside_a_stream(eng, PROMPTS)
-    # The stream's prompt in chunks of 8, 8 and 4, the next prompt's 7 and 6 beside its token, the last one's 3.
-    assert len(compared) == 6
-    path = "eager" if device == "cpu" else "decode_graph"  # on CUDA each of these steps fits the graphs' 8 rows
-    assert {p: n for p, (n, _) in runner.prompt_steps.items() if n} == {path: 6}
+    ids, visual = request_with_images
+    admit_beside_a_stream(eng, PROMPTS + [(ids, copy.copy(visual))])
+    # The stream's prompt in chunks of 8, 8 and 4, the next prompt's 7 and 6 beside its token, the last one's
+    # 3; then the image request's chunks, those after its last image token compared.
+    assert len(compared) > 6 and after_images[:6] == [False] * 6 and any(after_images)
+    # On CUDA each text step fits the graphs' 8 rows and rides them (image chunks: piecewise graphs).
+    assert runner.prompt_steps["decode_graph"][0] == (0 if device == "cpu" else len(compared))
     tol = 1e-5 if device == "cpu" else 1e-4
     for got, want in compared:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
