@@ -229,6 +229,26 @@ def test_an_arriving_request_ends_the_pause_and_is_answered(tiny_checkpoint, tmp
         holder.close()
 
 
+def test_a_request_reaching_an_idle_decoder_waits_while_the_tower_works(tiny_checkpoint, tmp_path):
+    """An idle decoder that gets a request while the tower works holds that request's first step until the
+    release (it would run beside the tower); one that comes after the release (the image request the
+    tower just made) is answered at once."""
+    holder, svc = TurnHolder(tmp_path / "turn", 60_000), service(tiny_checkpoint, tmp_path / "turn")
+    try:
+        early = Sink()
+        with holder.held():
+            svc.submit(DecodeRequest(PROMPT, {"max_tokens": 2, "ignore_eos": True, "stream": True}), early)
+            time.sleep(0.5)
+            assert early.responses == []
+        assert early.done.wait(30) and early.errors == [] and len(early.responses) == 2
+        later = Sink()
+        svc.submit(DecodeRequest(PROMPT, {"max_tokens": 2, "ignore_eos": True, "stream": True}), later)
+        assert later.done.wait(30) and later.errors == []
+    finally:
+        svc.shutdown()
+        holder.close()
+
+
 def test_turns_back_to_back_leave_the_streams_a_step_between_them(tiny_checkpoint, tmp_path):
     """A holder that takes turn after turn with no gap (and no request following) cannot starve the
     running streams: the decoder never holds back two steps in a row."""

@@ -195,14 +195,17 @@ class DecoderService:
                     self._fail(p, internal_error("moe_decoder engine step", e))
 
     def _iterate(self):
-        turn = self._gpu_turn
+        # vision_encoder starts its turn when the decoder shows no step on the GPU (`gpu_turn`).
+        turn, idle = self._gpu_turn, not self.engine.has_work
+        if turn is not None and not idle:
+            turn.busy(True)
+            self._wait_for_turn()  # first: a request that ends the wait is admitted into the step that follows
         if turn is not None:
-            turn.busy(self.engine.has_work)  # for vision_encoder, which starts when no step is on the GPU
-            if self.engine.has_work:
-                self._wait_for_turn()  # first: a request that ends the wait is admitted into the step that follows
+            turn.busy(self.engine.has_work)  # (the read-back may have ended the last sequence)
         self._admit(block=not self.engine.has_work)
-        if turn is not None:
-            turn.busy(self.engine.has_work)  # work may have just come to an idle decoder
+        if turn is not None and idle and self.engine.has_work:  # work came to an idle decoder
+            turn.busy(True)
+            self._wait_for_turn(working=True)  # not beside a tower at work; its own request goes at once
         self._drop_cancelled()
         self._drop_overdue()
         results = self.engine.step() if self.engine.has_work else []
@@ -236,13 +239,13 @@ class DecoderService:
         except Exception as e:  # the metrics must never cost a client its answer
             self._log_error(f"moe_decoder metrics: {e!r}")
 
-    def _wait_for_turn(self) -> None:
+    def _wait_for_turn(self, working: bool = False) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
         a row), until a request arrives after its release (its own: the step that follows admits it),
-        or the service stops. `_arrivals` counts the requests queued (any thread: a lost count costs
-        at most the hand-off's 10 ms).
+        or the service stops (working: only while the tower still works, TurnWaiter.held). `_arrivals`
+        counts the requests queued (any thread: a lost count costs at most the hand-off's 10 ms).
         The step in flight (async scheduling) finishes during the turn: its tokens go out first."""
-        if self._gpu_turn.held():
+        if self._gpu_turn.held(working):
             self._drop_cancelled()  # first, as before a step: a stopped request gets no more tokens
             self._emit(self.engine.read_back())
             if not self.engine.has_work:  # those were the last tokens: nothing to hold back

@@ -28,7 +28,9 @@ part, starts its work only once the decoder has no step on the GPU: the decoder 
 second segment (`paused_path`: 0 idle, BUSY while it has work, the deadline it pauses for), and the
 holder waits while it reads BUSY, at most PAUSE_WAIT_MS. Why: in session 22's `mixed` runs 1.4-1.5
 long gaps per stream started in the turn's window, not one; the likely cause (not measured) is the
-tower's first kernels sharing the GPU with the step in flight, which then runs slow. A batch without
+tower's first kernels sharing the GPU with the step in flight, which then runs slow. (Turns back to
+back: the step the decoder lets go after a wait may still run beside the next turn, whose holder then
+starts after PAUSE_WAIT_MS.) A batch without
 images (text-only requests pass through vision_encoder in mm_qa) takes no turn. Devices other than
 CUDA take no turns: `turn_path` is None for them.
 """
@@ -111,8 +113,11 @@ class TurnWaiter:
         self._seen = 0  # the deadline held() saw, the one wait() sleeps for (0: none)
 
     def busy(self, has_work: bool) -> None:
-        """Shows the holders BUSY while the decoder has work (a step may be on the GPU), else idle."""
+        """Shows the holders BUSY while the decoder has work (a step may be on the GPU), else idle (and the
+        next step after an idle spell is not one that follows a held-back step)."""
         self._show(BUSY if has_work else 0)
+        if not has_work:
+            self._waited_last = False
 
     def _show(self, state: int) -> None:
         if self._state is not None and state != self._shown:
@@ -124,14 +129,16 @@ class TurnWaiter:
             self._state.close()
             self._reader.close()
 
-    def held(self) -> bool:
+    def held(self, working: bool = False) -> bool:
         """Whether wait() will sleep: a holder's deadline is ahead, its request has not arrived, and
-        the last wait() let its step go. The caller reads back its step in flight in between."""
+        the last wait() let its step go; working: only while the holder still works (its deadline more
+        than a hand-off ahead: after its release the request that came may be its own). The caller
+        reads back its step in flight in between."""
         self._seen = 0
         if self._reader is None or self._waited_last:
             return False
-        current = self._reader.read()
-        if current > time.monotonic_ns() and current != self._answered:
+        current, now = self._reader.read(), time.monotonic_ns()
+        if current > now + (int(HANDOFF_MS * 1e6) if working else 0) and current != self._answered:
             self._seen = current
         return bool(self._seen)
 
@@ -141,7 +148,8 @@ class TurnWaiter:
         reached the decoder, so one that came during the turn does not end it), or until stopping().
         Returns the seconds slept: 0.0 when held() saw no turn, and after a call that slept. A release
         shortens the wait, a turn taken meanwhile never lengthens it, and a turn whose request has
-        arrived is not waited for again."""
+        arrived is not waited for again. (A wait that starts after the release counts from its start:
+        a request queued just before it then waits out the hand-off, HANDOFF_MS.)"""
         if not self._seen:
             self._waited_last = False
             return 0.0
