@@ -95,10 +95,9 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
 
     runner = engine.runner
     graphs, prompt_rows = runner.prefill_graphs, runner.prompt_row_context
-    rode = []  # the steps that ran as prompt rows of a decode graph
-    runner.prompt_rows = lambda b: rode.append(b) or type(runner).prompt_rows(runner, b)
+    rode = runner.prompt_steps["decode_graph"][0]  # steps run as prompt rows of a decode graph, so far
     mixed = wall_ms(prefill_step, cuda=True, reps=reps)  # its warm-up compiles the prefill shapes' kernels
-    del runner.prompt_rows
+    rode = runner.prompt_steps["decode_graph"][0] > rode
     runner.prompt_row_context = 0  # the same steps as pieces ...
     piecewise = wall_ms(prefill_step, cuda=True, reps=reps)
     runner.prefill_graphs = None  # ... and eagerly
@@ -116,7 +115,7 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
         engine.step()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     return {"batch": batch, "prompt": prompt, "mixed_step_ms": round(mixed, 2),
-            "rode_decode_graph": bool(rode),
+            "rode_decode_graph": rode,
             "mixed_piecewise_step_ms": round(piecewise, 2), "mixed_eager_step_ms": round(eager, 2),
             "decode_step_ms": round(decode, 2),
             "mixed_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 2),

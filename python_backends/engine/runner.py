@@ -83,7 +83,7 @@ class ModelRunner:
             else:
                 chunks.append(Chunk(slice(row, row + n), self._tensor(self.blocks.slots(seq, 0, start + n)), start))
             if seq.visual is not None:  # the image tokens inside this chunk: a run of the visual rows
-                first, last = bisect_left(seq.image_rows, start), bisect_left(seq.image_rows, start + n)
+                first, last = image_span(seq, start, start + n)
                 if last > first:  # (a decoding sequence's features may be in host memory: offload())
                     visual_rows.extend(row + j - start for j in seq.image_rows[first:last])
                     embeds.append(seq.visual.embeds[first:last].to(self.device, non_blocking=True))
@@ -122,7 +122,7 @@ class ModelRunner:
         tables = self._tables(seqs)
         ctx = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=B)
         newest = ctx.astype(np.int64) - 1
-        slots = tables[np.arange(B), newest // bs].astype(np.int64) * bs + newest % bs
+        slots = slots_at(tables, newest, bs)
         deltas = np.fromiter((s.rope_delta for s in seqs), dtype=np.int64, count=B)
         return dict(input_ids=torch.tensor([s.last_token for s in seqs]),
                     positions=torch.from_numpy(newest + deltas).expand(3, -1),
@@ -177,7 +177,8 @@ class ModelRunner:
         context = 0  # the prompt rows' (a decode row reads its context in any step)
         for seq, n in batch:
             start = seq.num_cached
-            if seq.visual is not None and bisect_left(seq.image_rows, start) < bisect_left(seq.image_rows, start + n):
+            first, last = image_span(seq, start, start + n)
+            if last > first:  # an image token in the chunk
                 return False
             if not is_decode(seq, n):
                 context += n * start + n * (n + 1) // 2
@@ -191,8 +192,7 @@ class ModelRunner:
         counts = [n for _, n in batch]
         index = np.concatenate([np.arange(seq.num_cached, seq.num_cached + n) for seq, n in batch])
         tables = np.repeat(self._tables([seq for seq, _ in batch]), counts, axis=0)
-        bs = self.blocks.block_size
-        slots = tables[np.arange(len(index)), index // bs].astype(np.int64) * bs + index % bs
+        slots = slots_at(tables, index, self.blocks.block_size)
         ends = np.cumsum(counts) - 1
         tensors = dict(input_ids=torch.tensor([t for seq, n in batch for t in seq.all_ids[seq.num_cached:seq.num_cached + n]]),
                        positions=torch.cat([self._positions(seq)[:, seq.num_cached:seq.num_cached + n]
@@ -231,6 +231,17 @@ class ModelRunner:
         if counted:
             self.routing_stats.add_step(out.routing, counted, self.model.cfg.num_experts)
         return out.logits
+
+
+def image_span(seq: Sequence, start: int, stop: int) -> tuple[int, int]:
+    """[first, last): the indices into seq.image_rows (and its visual features) of the image tokens
+    at prompt positions start..stop-1."""
+    return bisect_left(seq.image_rows, start), bisect_left(seq.image_rows, stop)
+
+
+def slots_at(tables: np.ndarray, index: np.ndarray, block_size: int) -> np.ndarray:
+    """int64 cache slot of token index[i] of the sequence whose block table is tables[i]."""
+    return tables[np.arange(len(index)), index // block_size].astype(np.int64) * block_size + index % block_size
 
 
 def table_row(seq: Sequence) -> np.ndarray:

@@ -31,6 +31,7 @@ from ..engine.multimodal import VisualInputs
 from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
+from .decoder_metrics import finished_request
 from .errors import SHUTTING_DOWN, internal_error, server_busy
 from .gc_pauses import GcPauses
 from .gpu_turn import TurnWaiter
@@ -198,13 +199,11 @@ class DecoderService:
         # vision_encoder starts its turn when the decoder shows no step on the GPU (`gpu_turn`).
         turn, idle = self._gpu_turn, not self.engine.has_work
         if turn is not None and not idle:
-            turn.busy(True)
             self._wait_for_turn()  # first: a request that ends the wait is admitted into the step that follows
         if turn is not None:
             turn.busy(self.engine.has_work)  # (the read-back may have ended the last sequence)
         self._admit(block=not self.engine.has_work)
         if turn is not None and idle and self.engine.has_work:  # work came to an idle decoder
-            turn.busy(True)
             self._wait_for_turn(working=True)  # not beside a tower at work; its own request goes at once
         self._drop_cancelled()
         self._drop_overdue()
@@ -227,17 +226,11 @@ class DecoderService:
         # one in flight would wait for it (every METRICS_PERIOD_S, a gap of two steps).
         ending = any(final for _, _, final in replies)
         if ending:
-            self._publish_safely(force=True)
+            self._maybe_publish(force=True)
         for p, response, final in replies:
             self._send(p, response, final)
         if not ending:
-            self._publish_safely(force=False)
-
-    def _publish_safely(self, force: bool) -> None:
-        try:
-            self._maybe_publish(force)
-        except Exception as e:  # the metrics must never cost a client its answer
-            self._log_error(f"moe_decoder metrics: {e!r}")
+            self._maybe_publish(force=False)
 
     def _wait_for_turn(self, working: bool = False) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
@@ -245,6 +238,7 @@ class DecoderService:
         or the service stops (working: only while the tower still works, TurnWaiter.held). `_arrivals`
         counts the requests queued (any thread: a lost count costs at most the hand-off's 10 ms).
         The step in flight (async scheduling) finishes during the turn: its tokens go out first."""
+        self._gpu_turn.busy(True)  # the engine has work
         if self._gpu_turn.held(working):
             self._drop_cancelled()  # first, as before a step: a stopped request gets no more tokens
             self._emit(self.engine.read_back())
@@ -260,7 +254,10 @@ class DecoderService:
         if self._publish is None or (not force and self.engine.has_work and now - self._published_at < METRICS_PERIOD_S):
             return
         self._published_at = now
-        self._publish(self.stats(wait=force))
+        try:
+            self._publish(self.stats(wait=force))
+        except Exception as e:  # the metrics must never cost a client its answer
+            self._log_error(f"moe_decoder metrics: {e!r}")
 
     def _sample_load(self) -> None:
         """Once per metrics period (the loop turns at least every 0.1 s, idle or not): the load, and
@@ -373,23 +370,14 @@ class DecoderService:
         return p, response, seq.finished
 
     def _record(self, p: Pending):
-        seq, now, c = p.seq, time.monotonic(), self.counts
-        ttft_s, decode_s, gaps = seq.first_token_time - seq.arrival, now - seq.first_token_time, len(seq.output_ids) - 1
-        c["requests_completed"] += 1
-        c["prompt_tokens"] += len(seq.prompt_ids)
-        c["ttft_us"] += int(ttft_s * 1e6)
-        c["decode_us"] += int(decode_s * 1e6)
-        c["decode_tokens"] += gaps
-        c["visual_tokens"] += p.tokens_before
-        c["visual_tokens_kept"] += int(p.tokens_kept.sum())
+        counts, observed = finished_request(p, time.monotonic())
+        for name, n in counts.items():
+            self.counts[name] += n
         if self._observe is None:
             return
         try:  # the request is out of the live set already: a failure here must not lose its final response
-            self._observe("ttft_s", ttft_s)
-            if gaps:
-                self._observe("itl_s", decode_s / gaps)
-            if p.tokens_kept.size:
-                self._observe("keep_ratio", p.keep_ratio)
+            for name, value in observed.items():
+                self._observe(name, value)
         except Exception as e:
             self._log_error(f"moe_decoder metrics: {e!r}")
 

@@ -1,5 +1,5 @@
-"""moe_decoder's Prometheus metrics: what `DecoderService.stats()` and `observe()` name, and what the
-adapter (`models/moe_decoder.py`) publishes each as."""
+"""moe_decoder's Prometheus metrics: what `DecoderService.stats()` and `observe()` name, what the
+adapter (`models/moe_decoder.py`) publishes each as, and what a finished request adds to them."""
 
 # stats() name -> (Prometheus metric, help), as the adapter publishes them; counters only grow.
 COUNTERS = {
@@ -62,3 +62,19 @@ HISTOGRAMS = {
     "keep_ratio": ("zipmoe_visual_keep_ratio", "Keep ratio VisionZip used per request with images",
                    (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)),
 }
+
+
+def finished_request(p, now: float) -> tuple[dict[str, int], dict[str, float]]:
+    """What a request that finished at `now` adds to the metrics (p: the decoder's Pending, its sequence
+    done): (COUNTERS increments, HISTOGRAMS observations)."""
+    seq = p.seq
+    ttft_s, decode_s, gaps = seq.first_token_time - seq.arrival, now - seq.first_token_time, len(seq.output_ids) - 1
+    counts = {"requests_completed": 1, "prompt_tokens": len(seq.prompt_ids), "ttft_us": int(ttft_s * 1e6),
+              "decode_us": int(decode_s * 1e6), "decode_tokens": gaps, "visual_tokens": p.tokens_before,
+              "visual_tokens_kept": int(p.tokens_kept.sum())}
+    observed = {"ttft_s": ttft_s}
+    if gaps:
+        observed["itl_s"] = decode_s / gaps
+    if p.tokens_kept.size:
+        observed["keep_ratio"] = p.keep_ratio
+    return counts, observed
