@@ -34,11 +34,11 @@ def request_with_images(tiny_checkpoint):
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def engine(checkpoint, budget: int, device: str = "cpu", max_num_seqs: int = 4) -> LLMEngine:
+def engine(checkpoint, budget: int, device: str = "cpu", max_num_seqs: int = 4, prompt_graph_rows: int = 0) -> LLMEngine:
     """float32 on either device: chunks take other attention kernels than one shot, bf16 would blur them."""
     return LLMEngine(checkpoint, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
                                               max_model_len=256, max_num_seqs=max_num_seqs,
-                                              max_num_batched_tokens=budget))
+                                              max_num_batched_tokens=budget, prompt_graph_rows=prompt_graph_rows))
 
 
 def prefill_logits(eng: LLMEngine, ids, visual) -> tuple[torch.Tensor, int]:
@@ -248,7 +248,7 @@ def test_only_text_chunks_with_little_context_ride_a_decode_graph(tiny_checkpoin
     ids, visual = request_with_images
     eng = engine(tiny_checkpoint, 256)
     runner = eng.runner
-    runner.graphs = SimpleNamespace(max_batch=8)  # the decision only: a CPU engine has no graphs
+    runner.graphs = SimpleNamespace(max_rows=8)  # the decision only: a CPU engine has no graphs
     image = eng.add_request(ids, SamplingParams(max_tokens=4), visual=visual)
     text = eng.add_request(list(range(10, 15)), SamplingParams(max_tokens=4))
     first_image_row = image.image_rows[0]
@@ -279,3 +279,46 @@ def test_prompts_riding_the_decode_graphs_give_the_eager_tokens(tiny_checkpoint)
     assert none == 0 and rode == 6
     assert riding == plain
     assert riding_stats == plain_stats  # the decode steps' routing only: no prompt row counted
+
+
+@pytest.mark.gpu
+def test_prompts_above_the_decode_buckets_ride_graphs_of_their_own(tiny_checkpoint):
+    """max_num_seqs 4, prompt_graph_rows 32: the stream's 20-token prompt, then three requests admitted
+    together beside it (26 rows) replay the 32-row graph, and a fourth request after them (6 rows) the
+    8-row graph. These graphs compute logits only for the rows that end a sequence (the 8-row step's
+    after the 32-row step's four: none may name a row past its bucket); those rows give the mixed
+    step's logits, and every sequence gets the tokens of an engine without such graphs."""
+    prompts = [list(range(40, 53)), [7, 8, 9], list(range(60, 69))]
+
+    def run(rows: int):
+        eng = engine(tiny_checkpoint, 32, "cuda", max_num_seqs=4, prompt_graph_rows=rows)
+        runner, compared, run_step = eng.runner, [], eng.runner.run
+
+        def both(batch):
+            if runner.rides_decode_graph(batch) and sum(n for _, n in batch) > runner.graphs.max_batch:
+                tensors, sampling = runner.prompt_rows(batch)
+                got = runner._decode(tensors, counted=0, rows=sampling).clone()  # the next replay rewrites it
+                ids, step, want_rows = runner.prepare_mixed(batch)
+                compared.append((got, eng.model.forward(ids, step, runner.kv, want_rows).logits))
+            return run_step(batch)
+
+        runner.run = both
+        stream = eng.add_request(list(range(10, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        three = [eng.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+        while not all(s.finished for s in three):
+            eng.step()
+        last = eng.add_request(list(range(80, 85)), SamplingParams(max_tokens=4, ignore_eos=True))
+        while eng.has_work:
+            eng.step()
+        return [s.output_ids for s in [stream, *three, last]], compared, runner
+
+    (plain, none, plain_runner), (riding, compared, runner) = run(0), run(32)
+    assert plain_runner.graphs.buckets == [1, 2, 4] and none == []
+    assert runner.graphs.buckets == [1, 2, 4, 8, 16, 32]
+    # The rows that sample: the stream's last; its own and the three prompts' last; its own and the fourth's.
+    assert [got.shape[0] for got, _ in compared] == [1, 4, 2]
+    for got, want in compared:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert riding == plain

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zipmoe.engine.cuda_graphs import bucket_sizes
+from zipmoe.engine.cuda_graphs import bucket_sizes, prompt_buckets
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
@@ -20,6 +20,14 @@ def test_buckets_cover_every_batch_and_split_at_routing_min_batch():
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert bucket_sizes(6, routing_min_batch=5) == [1, 2, 4, 5, 6]
     assert bucket_sizes(20, routing_min_batch=12) == [1, 2, 4, 8, 11, 12, 16, 20]
+
+
+def test_prompt_row_buckets_double_above_the_decode_buckets():
+    assert prompt_buckets(64, 512) == [128, 256, 512]
+    assert prompt_buckets(64, 300) == [128, 256, 300]
+    assert prompt_buckets(64, 128) == [128]
+    assert prompt_buckets(64, 100) == [100]
+    assert prompt_buckets(64, 64) == prompt_buckets(64, 0) == []
 
 
 def run(checkpoint, device, policy=None, graphs=True, dtype="float32", n=len(PROMPTS), steps=16, min_batch=1):

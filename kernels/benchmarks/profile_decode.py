@@ -11,8 +11,9 @@ captured without programmatic dependent launch (`kernels/dependent_launch.py`): 
 kernel's recorded span starts at its early launch and includes its wait for the one before, so
 spans overlap and no kernel's own time shows; bench_kernels' decode rows time the step with it.
 With --mixed B it also times (also without PDL) the step that prefills one new prompt (512 tokens,
-or each of --mixed-prompts) beside B decoding sequences (what a stream sees when another request
-arrives): as the engine runs it (a short prompt's tokens as rows of a decode graph, engine/runner.py;
+or each of --mixed-prompts; KxL: K prompts of L tokens admitted together, as when several streams
+start again in one step) beside B decoding sequences (what a stream sees when other requests
+arrive): as the engine runs it (short prompts' tokens as rows of a decode graph, engine/runner.py;
 a longer one as piecewise CUDA graphs, engine/prefill_graphs.py), as piecewise graphs, and eagerly:
 wall times, the eager step's sum of kernel times and launch count, and the plain decode step's wall
 time beside them.
@@ -78,19 +79,23 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
             "launches_per_layer": round(launches / CFG.num_layers, 2), "kernels": rows}
 
 
-def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, reps: int = 5) -> dict:
-    """Wall ms of the step that prefills a new `prompt`-token request beside `batch` decoding ones
-    (median of `reps`, the device idle at both ends): as the engine runs it, as piecewise graphs, and
-    eagerly; one more eager such step profiled for its kernels; and the plain decode step's wall ms."""
+def profile_mixed(engine, batch: int, prompt: int = 512, prompts: int = 1, context: int = 256, reps: int = 5) -> dict:
+    """Wall ms of the step that prefills `prompts` new `prompt`-token requests beside `batch` decoding
+    ones (median of `reps`, the device idle at both ends): as the engine runs it, as piecewise graphs,
+    and eagerly; one more eager such step profiled for its kernels; and the plain decode step's wall ms."""
     g = torch.Generator().manual_seed(batch)
     tokens = lambda n: torch.randint(0, 150000, (n,), generator=g).tolist()
     seqs = [engine.add_request(tokens(context), SamplingParams(max_tokens=256, ignore_eos=True)) for _ in range(batch)]
     while any(len(s.output_ids) == 0 for s in seqs):
         engine.step()
-    new_prompt = tokens(prompt)
+    new_prompts = [tokens(prompt) for _ in range(prompts)]
 
-    def prefill_step():  # one token: the new request is done after the step that prefills it
-        engine.add_request(new_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    def admit():
+        for ids in new_prompts:
+            engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    def prefill_step():  # one token: the new requests are done after the step that prefills them
+        admit()
         engine.step()
 
     runner = engine.runner
@@ -103,7 +108,7 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
     runner.prefill_graphs = None  # ... and eagerly
     eager = wall_ms(prefill_step, cuda=True, reps=reps)
     decode = wall_ms(engine.step, cuda=True, reps=reps)
-    engine.add_request(new_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    admit()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.step()
@@ -114,7 +119,7 @@ def profile_mixed(engine, batch: int, prompt: int = 512, context: int = 256, rep
     while engine.has_work:
         engine.step()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
-    return {"batch": batch, "prompt": prompt, "mixed_step_ms": round(mixed, 2),
+    return {"batch": batch, "prompt": prompt, "prompts": prompts, "mixed_step_ms": round(mixed, 2),
             "rode_decode_graph": rode,
             "mixed_piecewise_step_ms": round(piecewise, 2), "mixed_eager_step_ms": round(eager, 2),
             "decode_step_ms": round(decode, 2),
@@ -150,12 +155,19 @@ def plot(result: dict, out: Path, top: int = 10) -> None:
     fig.savefig(out, dpi=120)
 
 
+def prompt_spec(text: str) -> tuple[int, int]:
+    """"512" -> (512, 1); "5x38" -> (38, 5): (tokens per prompt, prompts)."""
+    count, _, tokens = text.rpartition("x")
+    return int(tokens), int(count or 1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/decode_profile_h200")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--mixed", type=int, default=0, help="also time a prefill step beside this many decoding sequences")
-    ap.add_argument("--mixed-prompts", default="512", help="that step's new prompt lengths, one row each")
+    ap.add_argument("--mixed-prompts", default="512",
+                    help="that step's new prompt lengths, one row each; KxL: K prompts of L tokens together")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +179,7 @@ def main(argv=None) -> int:
             print_step(result["steps"][-1])
             out.with_suffix(".json").write_text(json.dumps(result, indent=1))
         if args.mixed:
-            result["mixed"] = [profile_mixed(engine, args.mixed, int(p)) for p in args.mixed_prompts.split(",")]
+            result["mixed"] = [profile_mixed(engine, args.mixed, *prompt_spec(p)) for p in args.mixed_prompts.split(",")]
             for row in result["mixed"]:
                 print(f"\nmixed step: {row}", flush=True)
             out.with_suffix(".json").write_text(json.dumps(result, indent=1))

@@ -8,6 +8,12 @@ position, context: so they route to the same experts and the union is unchanged)
 go to the cache's scratch slot. The routing policy is part of the graph; buckets include
 routing_min_batch - 1 and routing_min_batch, so a bucket decides exactly as the batch would.
 Each capture's StepOutput (logits and routing) is kept: its tensors are what every replay rewrites.
+
+Above the decode buckets (`max_num_seqs`) come prompt-row buckets, up to `prompt_graph_rows`: steps
+whose short text prompts run as decode rows, one per prompt token (runner.prompt_rows). Such a step
+samples at most one row per sequence, so these graphs compute logits only for `max_num_seqs` rows
+named per replay (`logit_rows`): a few hundred rows of float32 logits per bucket would cost more
+memory than the rest of the graphs together.
 """
 from __future__ import annotations
 
@@ -24,6 +30,17 @@ def bucket_sizes(max_batch: int, routing_min_batch: int = 1) -> list[int]:
     sizes = {1, 2, 4, max_batch} | set(range(8, max_batch + 1, 8))
     sizes |= {b for b in (routing_min_batch - 1, routing_min_batch) if 1 <= b <= max_batch}
     return sorted(s for s in sizes if s <= max_batch)
+
+
+def prompt_buckets(max_batch: int, max_rows: int) -> list[int]:
+    """Buckets above the decode buckets for steps of prompt rows: doubling from 2 x max_batch, then
+    max_rows itself (none when max_rows <= max_batch). Padding costs compute, not weight reads: a
+    padding row routes as row 0 does."""
+    sizes, b = [], 2 * max_batch
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_rows] if max_rows > max_batch else []
 
 
 @contextmanager
@@ -51,9 +68,11 @@ def capture(fn, pool):
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, max_batch: int, max_blocks: int):
+    def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, max_batch: int, max_blocks: int,
+                 prompt_graph_rows: int = 0):
         self.model = model
-        self.buckets = bucket_sizes(max_batch, model.routing_min_batch)
+        self.decode_buckets = bucket_sizes(max_batch, model.routing_min_batch)
+        self.buckets = self.decode_buckets + prompt_buckets(self.max_batch, prompt_graph_rows)
         n, dev = self.buckets[-1], model.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(3, n, dtype=torch.long, device=dev)
@@ -62,22 +81,32 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.opt_out = torch.zeros(n, dtype=torch.bool, device=dev)
         self.rows = torch.arange(n, device=dev)  # logit rows; every tensor a graph reads must outlive it
+        self.logit_rows = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # a prompt-row bucket's
         self.scratch_slot = kv.scratch_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StepOutput] = {}
-        pool = None
+        pool, reserved = None, torch.cuda.memory_reserved(dev)
         with capturing():
             # Largest first: smaller graphs then fit in the memory pool the largest one already holds.
             for b in reversed(self.buckets):
-                step, rows = self._step(b), self.rows[:b]
+                step, rows = self._step(b), self.rows[:b] if b <= self.max_batch else self.logit_rows
                 model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
                 graph, self.outputs[b] = capture(lambda: model.forward(self.input_ids[:b], step, kv, rows), pool)
                 pool = graph.pool()
                 self.graphs[b] = graph
         torch.cuda.synchronize()
+        prompt = len(self.buckets) - len(self.decode_buckets)
+        print(f"decode graphs: {len(self.buckets)} buckets of up to {self.max_rows} rows ({prompt} for prompt rows "
+              f"above {self.max_batch}), {(torch.cuda.memory_reserved(dev) - reserved) / 2**20:.0f} MiB", flush=True)
 
     @property
     def max_batch(self) -> int:
+        """The largest decode step (max_num_seqs)."""
+        return self.decode_buckets[-1]
+
+    @property
+    def max_rows(self) -> int:
+        """The largest step of prompt rows."""
         return self.buckets[-1]
 
     def _step(self, b: int) -> StepInputs:
@@ -86,11 +115,20 @@ class DecodeGraphs:
                           context_lens=self.context_lens[:b], opt_out=self.opt_out[:b])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor, opt_out: torch.Tensor) -> StepOutput:
-        """Host tensors of one decode batch (B rows) -> logits [B, vocab] and the routing of the whole
-        bucket (padding rows after the B real ones); valid until the next run."""
+            block_tables: torch.Tensor, context_lens: torch.Tensor, opt_out: torch.Tensor,
+            logit_rows: list[int] | None = None) -> StepOutput:
+        """Host tensors of one decode batch (B rows) -> logits [B, vocab] (logit_rows given: of those
+        rows only, at most max_batch of them) and the routing of the whole bucket (padding rows after
+        the B real ones); valid until the next run. Above max_batch rows logit_rows is required."""
         B = input_ids.shape[0]
         b = next(s for s in self.buckets if s >= B)
+        if b > self.max_batch:
+            if logit_rows is None or len(logit_rows) > self.max_batch:
+                raise ValueError(f"a step of {B} prompt rows samples at most {self.max_batch} rows, got {logit_rows}")
+            # Every entry is written: one left from a larger bucket's step could lie past this bucket's rows.
+            rows = torch.zeros(self.max_batch, dtype=torch.long)
+            rows[:len(logit_rows)] = torch.tensor(logit_rows, dtype=torch.long)
+            self.logit_rows.copy_(rows, non_blocking=True)
         pad = torch.zeros(b, dtype=torch.long)  # padding rows copy row 0 ...
         pad[:B] = torch.arange(B)
         slots = torch.cat([slots, torch.full((b - B,), self.scratch_slot, dtype=slots.dtype)])  # ... but write aside
@@ -106,4 +144,6 @@ class DecodeGraphs:
         self.opt_out[:b].copy_(opt_out[pad], non_blocking=True)
         self.graphs[b].replay()
         out = self.outputs[b]
-        return StepOutput(out.logits[:B], out.routing)
+        if b > self.max_batch:
+            return StepOutput(out.logits[:len(logit_rows)], out.routing)
+        return StepOutput(out.logits[:B] if logit_rows is None else out.logits[logit_rows], out.routing)

@@ -64,6 +64,9 @@ class EngineConfig:
     prefill_graph_tokens: int = setting(2048, "on CUDA with cuda_graphs, steps that carry prompt chunks and at most "
                                               "this many tokens replay piecewise CUDA graphs around an eager "
                                               "attention (engine/prefill_graphs.py); 0: they run eagerly", min=0)
+    prompt_graph_rows: int = setting(512, "on CUDA with cuda_graphs, decode graphs of up to this many rows are also "
+                                          "captured above max_num_seqs for steps of short text prompts, each prompt "
+                                          "token a row (engine/runner.py); max_num_seqs or less: none above it", min=0)
     async_scheduling: bool = setting(True, "pipeline pure decode steps: the next step is "
                                             "launched before this one's tokens are read back (engine.py)")
     expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
@@ -131,8 +134,10 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, num_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, self.dtype, self.device)
+        # Prompt rows ride decode graphs (runner.prompt_rows) of up to this many rows; not under expert parallel.
+        prompt_rows = min(config.prompt_graph_rows, config.max_num_batched_tokens) if shard is None else 0
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
-                                  config.cuda_graphs, graph_tokens)
+                                  config.cuda_graphs, graph_tokens, prompt_rows)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()

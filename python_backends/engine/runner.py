@@ -5,11 +5,12 @@ paged cache, the routing policy, and on CUDA a replay of the batch size's CUDA g
 goes into `routing_stats`. A step with prompt chunks in it takes plain top-K routing (its decode
 rows too: the chunk's tokens activate most experts anyway). On CUDA such a step runs, by size:
 
-  - text-only chunks with little context, the step's tokens fitting a decode graph's rows: a replay of
-    that graph, each prompt token a row of its own (`prompt_rows`). Paged decode attention over a
-    row's own sequence up to its own slot is causal attention, so the step is the same computation;
-    what it costs is that each row reads its context by itself (PROMPT_ROW_CONTEXT bounds that).
-    This is the step that admits a short request beside running streams: one replay, not ~900 launches;
+  - text-only chunks with little context, the step's tokens fitting a decode graph's rows (up to
+    `prompt_graph_rows`, above `max_num_seqs` in graphs of their own): a replay of that graph, each
+    prompt token a row of its own (`prompt_rows`). Paged decode attention over a row's own sequence
+    up to its own slot is causal attention, so the step is the same computation; what it costs is
+    that each row reads its context by itself (PROMPT_ROW_CONTEXT bounds that). This is the step that
+    admits short requests beside running streams: one replay, not ~900 launches;
   - up to `prefill_graph_tokens` tokens: piecewise graphs around an eager attention (prefill_graphs.py);
   - larger: eagerly.
 """
@@ -39,7 +40,8 @@ PROMPT_PATHS = ("decode_graph", "piecewise", "eager")  # how a step with prompt 
 
 class ModelRunner:
     def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, blocks: BlockManager, max_num_seqs: int,
-                 max_model_len: int, cuda_graphs: bool = True, prefill_graph_tokens: int = 0):
+                 max_model_len: int, cuda_graphs: bool = True, prefill_graph_tokens: int = 0,
+                 prompt_graph_rows: int = 0):
         self.model = model
         self.kv = kv
         self.blocks = blocks
@@ -49,6 +51,7 @@ class ModelRunner:
         self.use_graphs = model.on_cuda and cuda_graphs
         self.routing_stats = RoutingStats()
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graph_rows = prompt_graph_rows
         self.capture_graphs()
         self.prefill_graphs = (PrefillGraphs(model, kv, prefill_graph_tokens)
                                if self.use_graphs and prefill_graph_tokens else None)
@@ -60,7 +63,7 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if self.use_graphs:
             self.graphs = None  # the old graphs' memory pool goes back before the new capture
-            self.graphs = DecodeGraphs(self.model, self.kv, self.max_num_seqs, self.max_blocks)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.max_num_seqs, self.max_blocks, self.prompt_graph_rows)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -154,7 +157,7 @@ class ModelRunner:
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
             if self.rides_decode_graph(batch):
                 tensors, rows = self.prompt_rows(batch)
-                logits, path = self._decode(tensors, counted=0)[rows], "decode_graph"  # top-K for every row: none counted
+                logits, path = self._decode(tensors, counted=0, rows=rows), "decode_graph"  # top-K for every row: none counted
             else:
                 ids, step, rows = self.prepare_mixed(batch)
                 logits, path = self._prefill(ids, step, rows)
@@ -172,7 +175,7 @@ class ModelRunner:
         rows' contexts sum to at most prompt_row_context (not while a calibration hook watches the MoE)."""
         if self.graphs is None or self.model.moe_input_hook is not None:
             return False
-        if sum(n for _, n in batch) > self.graphs.max_batch:
+        if sum(n for _, n in batch) > self.graphs.max_rows:
             return False
         context = 0  # the prompt rows' (a decode row reads its context in any step)
         for seq, n in batch:
@@ -220,14 +223,15 @@ class ModelRunner:
             return graphs.forward(ids, step, rows).logits, "piecewise"
         return self.model.forward(ids, step, self.kv, rows).logits, "eager"
 
-    def _decode(self, tensors: dict[str, torch.Tensor], counted: int) -> torch.Tensor:
-        """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab]; the routing of
-        the first `counted` rows goes into routing_stats (decode tokens; never a graph's padding rows)."""
-        if self.graphs is not None and tensors["input_ids"].shape[0] <= self.graphs.max_batch:
-            out = self.graphs.run(**tensors)
+    def _decode(self, tensors: dict[str, torch.Tensor], counted: int, rows: list[int] | None = None) -> torch.Tensor:
+        """The decode forward (a CUDA-graph replay where one fits) -> logits [B, vocab] (rows given: of
+        those rows); the routing of the first `counted` rows goes into routing_stats (decode tokens;
+        never a graph's padding rows)."""
+        if self.graphs is not None and tensors["input_ids"].shape[0] <= self.graphs.max_rows:
+            out = self.graphs.run(**tensors, logit_rows=rows)
         else:
-            ids, step, rows = self.prepare_decode(tensors)
-            out = self.model.forward(ids, step, self.kv, rows)
+            ids, step, every = self.prepare_decode(tensors)
+            out = self.model.forward(ids, step, self.kv, every if rows is None else self._tensor(rows))
         if counted:
             self.routing_stats.add_step(out.routing, counted, self.model.cfg.num_experts)
         return out.logits
