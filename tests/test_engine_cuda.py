@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zipmoe.engine.cuda_graphs import bucket_sizes, prompt_buckets
+from zipmoe.engine.cuda_graphs import bucket_sizes, kept_logit_rows, prompt_buckets
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
@@ -24,10 +24,15 @@ def test_buckets_cover_every_batch_and_split_at_routing_min_batch():
 
 def test_prompt_row_buckets_double_above_the_decode_buckets():
     assert prompt_buckets(64, 512) == [128, 256, 512]
-    assert prompt_buckets(64, 300) == [128, 256, 300]
-    assert prompt_buckets(64, 128) == [128]
+    assert prompt_buckets(64, 300) == [128, 300]  # 256 lies within a quarter of 300
+    assert prompt_buckets(64, 130) == [130]
     assert prompt_buckets(64, 100) == [100]
     assert prompt_buckets(64, 64) == prompt_buckets(64, 0) == []
+
+
+def test_the_memory_plan_counts_the_logits_the_decode_graphs_keep():
+    assert kept_logit_rows(64, 1, 512) == 295 + 3 * 64  # 1, 2, 4, 8, ..., 64; three prompt buckets of 64 rows
+    assert kept_logit_rows(8, 1, 0) == 1 + 2 + 4 + 8
 
 
 def run(checkpoint, device, policy=None, graphs=True, dtype="float32", n=len(PROMPTS), steps=16, min_batch=1):

@@ -34,10 +34,10 @@ def bucket_sizes(max_batch: int, routing_min_batch: int = 1) -> list[int]:
 
 def prompt_buckets(max_batch: int, max_rows: int) -> list[int]:
     """Buckets above the decode buckets for steps of prompt rows: doubling from 2 x max_batch, then
-    max_rows itself (none when max_rows <= max_batch). Padding costs compute, not weight reads: a
-    padding row routes as row 0 does."""
+    max_rows itself (none when max_rows <= max_batch), leaving out a doubling within a quarter of it.
+    Padding costs compute, not weight reads: a padding row routes as row 0 does."""
     sizes, b = [], 2 * max_batch
-    while b < max_rows:
+    while 5 * b < 4 * max_rows:
         sizes.append(b)
         b *= 2
     return sizes + [max_rows] if max_rows > max_batch else []
@@ -65,6 +65,11 @@ def capture(fn, pool):
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+def kept_logit_rows(max_batch: int, routing_min_batch: int, prompt_graph_rows: int) -> int:
+    """Rows of float32 logits the decode graphs keep between replays (each capture's output)."""
+    return sum(bucket_sizes(max_batch, routing_min_batch)) + max_batch * len(prompt_buckets(max_batch, prompt_graph_rows))
 
 
 class DecodeGraphs:

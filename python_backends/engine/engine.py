@@ -24,6 +24,7 @@ from ..checkpoint import TEXT_PREFIX, TextConfig, open_weights
 from ..settings import (check_fields, device_setting, dtype_setting, load_format_setting, make_current,
                         resolve_device_dtype, setting)
 from . import memory
+from .cuda_graphs import kept_logit_rows
 from .expert_parallel import ExpertShard
 from .kv_cache import BlockManager, KVCache
 from .memory import CPU_KV_BLOCKS, OutOfMemory
@@ -128,14 +129,14 @@ class LLMEngine:
         # whose steps all-reduce across processes).
         graph_tokens = (min(config.prefill_graph_tokens, config.max_num_batched_tokens)
                         if config.cuda_graphs and shard is None else 0)
-        num_blocks = config.num_kv_blocks or self._plan_kv_blocks(graph_tokens)
+        # Prompt rows ride decode graphs (runner.prompt_rows) of up to this many rows; not under expert parallel.
+        prompt_rows = min(config.prompt_graph_rows, config.max_num_batched_tokens) if shard is None else 0
+        num_blocks = config.num_kv_blocks or self._plan_kv_blocks(graph_tokens, prompt_rows)
         if shard is not None:  # lockstep schedulers need the same cache size in every process
             num_blocks = shard.agree_min(num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size)
         kv = KVCache(self.text.num_layers, num_blocks, config.block_size, self.text.num_kv_heads,
                      self.text.head_dim, self.dtype, self.device)
-        # Prompt rows ride decode graphs (runner.prompt_rows) of up to this many rows; not under expert parallel.
-        prompt_rows = min(config.prompt_graph_rows, config.max_num_batched_tokens) if shard is None else 0
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
                                   config.cuda_graphs, graph_tokens, prompt_rows)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -150,14 +151,17 @@ class LLMEngine:
         # Steps run (any kind), and those launched ahead, before the step before them was read back.
         self.steps_run = self.steps_pipelined = 0
 
-    def _plan_kv_blocks(self, graph_tokens: int) -> int:
+    def _plan_kv_blocks(self, graph_tokens: int, prompt_rows: int) -> int:
         """num_kv_blocks 0: what memory.plan leaves for the cache (CPU: a fixed size)."""
         cfg = self.config
         need = -(-cfg.max_model_len // cfg.block_size)
         if self.device.type != "cuda":
             return max(CPU_KV_BLOCKS, need)
+        logits = (kept_logit_rows(cfg.max_num_seqs, cfg.routing_min_batch, prompt_rows) * self.text.vocab_size * 4
+                  if cfg.cuda_graphs else 0)  # float32
         mem = memory.plan(self.model, self.text, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens,
-                          cfg.max_model_len, cfg.max_num_seqs, cfg.block_size, self.text.deepstack_layers, graph_tokens)
+                          cfg.max_model_len, cfg.max_num_seqs, cfg.block_size, self.text.deepstack_layers, graph_tokens,
+                          logits)
         blocks = mem.num_blocks(memory.block_bytes(self.text, cfg.block_size, self.dtype))
         print(f"KV cache: {mem.describe()} = {blocks} blocks, {blocks * cfg.block_size} tokens", flush=True)
         if blocks < need:

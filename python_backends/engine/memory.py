@@ -46,7 +46,7 @@ class MemoryPlan:
     free: int  # free on the GPU after the worst-case step (other processes' use excluded)
     utilization: float
     device: str = "cuda"  # which GPU these figures are of, for the log line
-    graphs: int = 0  # what the prefill graphs will hold (0: none)
+    graphs: int = 0  # what the prefill graphs' pool and the decode graphs' kept logits will hold
 
     def kv_bytes(self) -> int:
         """What the cache may take: our share of the GPU and what is free, each less the step's
@@ -60,7 +60,7 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 1 << 30
         return (f"{self.device} {self.total / gib:.1f} GiB x {self.utilization}: weights {self.weights / gib:.1f} GiB, "
-                f"worst-case step {self.activations / gib:.2f} GiB, prefill graphs {self.graphs / gib:.2f} GiB, "
+                f"worst-case step {self.activations / gib:.2f} GiB, graphs {self.graphs / gib:.2f} GiB, "
                 f"reserve {RESERVE_BYTES / gib:.1f} GiB, "
                 f"free {self.free / gib:.1f} GiB -> KV cache {max(self.kv_bytes(), 0) / gib:.1f} GiB")
 
@@ -113,8 +113,10 @@ def worst_case_step(model, *inputs) -> int:
 
 
 def plan(model, text: TextConfig, utilization: float, tokens: int, context: int, logit_rows: int, block_size: int,
-         deepstack_layers: int, graph_tokens: int = 0) -> MemoryPlan:
-    """graph_tokens: the prefill graphs' largest step (0: no prefill graphs)."""
+         deepstack_layers: int, graph_tokens: int = 0, decode_graph_logits: int = 0) -> MemoryPlan:
+    """graph_tokens: the prefill graphs' largest step (0: no prefill graphs); decode_graph_logits: the
+    bytes of logits the decode graphs keep between replays (cuda_graphs.kept_logit_rows; their
+    activations share one pool, within RESERVE_BYTES)."""
     device = gpu_of(model)
     weights = torch.cuda.memory_allocated(device)
     try:
@@ -127,4 +129,4 @@ def plan(model, text: TextConfig, utilization: float, tokens: int, context: int,
                           "or max_model_len") from None
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryPlan(total, weights, activations, free, utilization, str(device), graphs)
+    return MemoryPlan(total, weights, activations, free, utilization, str(device), graphs + decode_graph_logits)

@@ -18,6 +18,7 @@ from ..engine.parallel_engine import make_engine
 from ..serving.decode_request import DecodeRequest, DecodeResponse, VisualTokens
 from ..serving.decoder import DecoderService
 from ..serving.decoder_metrics import COUNTERS, GAUGES, HISTOGRAMS
+from ..serving.device_loss import device_lost, lost_message
 from ..serving.doorbell import Ring
 from ..serving.errors import BadInput, ServerBusy, internal_error
 from ..serving.interface import DECODER_OPTIONS, VISUAL_TOKENS
@@ -146,6 +147,10 @@ class TritonPythonModel:
                 sink.send_error(str(e), busy=True)
             except Exception as e:  # a bug or a device error fails this request alone, never the batch
                 pb_utils.Logger.log_error(f"moe_decoder: request refused: {e!r}")
+                if device_lost(e, self.device):  # no later request could be served either
+                    sink.send_error(lost_message("moe_decoder", e))
+                    self.service.lose_device(e)
+                    continue
                 sink.send_error(internal_error("moe_decoder", e))
         return None
 

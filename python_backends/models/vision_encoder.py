@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ..serving.device_loss import device_lost, end_process, lost_message
 from ..serving.errors import BadInput, internal_error
 from ..serving.gpu_turn import TurnHolder, turn_path
 from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED, KeepChooser, check_priority
@@ -37,6 +38,10 @@ def split_images(pixels: torch.Tensor, sizes: np.ndarray, multiple: int) -> list
         start += 3 * h * w
     return images
 
+
+# A lost CUDA context (device_loss.py) ends the stub this long after `execute` returns its answers:
+# time for Triton to send them (not checked: a response not yet sent then ends with the server's restart).
+LOST_EXIT_DELAY_S = 1.0
 
 # counts name -> (Prometheus metric, help)
 METRICS = {
@@ -88,14 +93,22 @@ class TritonPythonModel:
         return responses
 
     def _run(self, jobs, requests, responses) -> None:
+        """The valid requests' answers; any error fails the batch's valid requests (one bad batch must not
+        take the model down), and a lost CUDA context (device_loss.py) ends the process after them."""
+        try:
+            self._forward(jobs, requests, responses)
+        except Exception as e:
+            lost = device_lost(e, self.encoder.device)  # a broken device would fail every later batch
+            message = lost_message("vision_encoder", e) if lost else internal_error("vision_encoder", e)
+            for i, _, _ in jobs:
+                responses[i] = error_response(pb_utils, message)
+            if lost:  # once Triton has sent these answers (LOST_EXIT_DELAY_S)
+                end_process(pb_utils.Logger.log_error, message, delay_s=LOST_EXIT_DELAY_S)
+
+    def _forward(self, jobs, requests, responses) -> None:
         """One tower forward for the valid requests' images, then VisionZip and the response per request."""
         start_s = time.perf_counter()
-        try:
-            feats = self.encoder.features([im for _, images, _ in jobs for im in images])
-        except Exception as e:  # one bad batch must not take the model down
-            for i, _, _ in jobs:
-                responses[i] = error_response(pb_utils, internal_error("vision_encoder", e))
-            return
+        feats = self.encoder.features([im for _, images, _ in jobs for im in images])
         forward_s = time.perf_counter()
         start = 0
         for i, images, ratio in jobs:

@@ -31,7 +31,8 @@ from ..engine.multimodal import VisualInputs
 from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
-from .decoder_metrics import finished_request
+from .decoder_metrics import finished_request, prompt_step_counts
+from .device_loss import device_lost, end_process, lost_message
 from .errors import SHUTTING_DOWN, internal_error, server_busy
 from .gc_pauses import GcPauses
 from .gpu_turn import TurnWaiter
@@ -99,6 +100,7 @@ class DecoderService:
         self._waiting, self._waiting_lock = 0, threading.Lock()
         self._cancel_tags: set[str] = set()  # tags of live requests that cancel() stops before the next step
         self._stop = threading.Event()
+        self._losing = threading.Lock()  # held by the thread that ends the process (lose_device)
         self._published_at = 0.0
         self._controller = (DegradationController(degradation.ttft_target_ms, engine.config.max_num_seqs)
                             if degradation.ttft_target_ms else None)
@@ -118,7 +120,9 @@ class DecoderService:
 
     def submit(self, request: DecodeRequest, sink: ResponseSink) -> None:
         """Checks and queues a request; a bad one raises BadInput or engine.RequestError, and one beyond
-        max_waiting_requests ServerBusy (nothing queued)."""
+        max_waiting_requests ServerBusy (nothing queued); after lose_device, RuntimeError."""
+        if self._losing.locked():
+            raise RuntimeError("moe_decoder: the GPU's CUDA context is lost; the model's process is ending")
         params = sampling_params(request.options, self.config.default_max_tokens)
         ids, visual, kept, before = splice(request, self.engine.text)
         self.engine.check_request(ids, params, visual)
@@ -157,31 +161,35 @@ class DecoderService:
                 "running": len(sched.running), "waiting": len(sched.waiting),
                 "degradation_level": control.level if control else 0,
                 "load_pressure": round(control.pressure, 3) if control else 0.0,
-                **self.engine.routing_stats.snapshot(wait), **self._gc.stats(), **self._prompt_steps()}
-
-    def _prompt_steps(self) -> dict[str, int]:
-        """Steps with prompt tokens by how they ran (runner.PROMPT_PATHS), and their time in µs."""
-        steps = self.engine.runner.prompt_steps
-        return {**{f"prompt_steps_{path}": n for path, (n, _) in steps.items()},
-                **{f"prompt_step_us_{path}": int(s * 1e6) for path, (_, s) in steps.items()}}
+                **self.engine.routing_stats.snapshot(wait), **self._gc.stats(),
+                **prompt_step_counts(self.engine.runner.prompt_steps)}
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final
         error: a request left open keeps the server's shutdown waiting for it."""
         self._stop.set()
         self._thread.join(timeout=10)
-        pending = list(self._live.values())
-        while not self._inbox.empty():
-            item = self._inbox.get_nowait()
-            if isinstance(item, Pending):
-                pending.append(item)
-        for p in pending:
-            self._send_error(p, message)
-        self._live.clear()
-        self._writer.close()  # after everything above is delivered
+        self._fail_everyone(message)
         self._gc.close()
         if self._gpu_turn is not None:
             self._gpu_turn.close()
+
+    def lose_device(self, error: BaseException) -> None:
+        """Any thread, once: the CUDA context is lost (device_loss.py); whoever waits gets the error, the process ends."""
+        if self._losing.acquire(blocking=False):  # else another thread is ending the process
+            self._stop.set()  # and submit() refuses from now on
+            self._fail_everyone(message := lost_message("moe_decoder", error))
+            self._fail_everyone(message)  # whoever got past submit()'s check meanwhile
+            end_process(self._log_error, message)
+
+    def _fail_everyone(self, message: str) -> None:
+        queued = []
+        while not self._inbox.empty():
+            queued.append(self._inbox.get_nowait())
+        for p in [*self._live.values(), *(q for q in queued if isinstance(q, Pending))]:
+            self._send_error(p, message)
+        self._live.clear()
+        self._writer.close()  # after everything above is delivered
 
     # --- engine thread -------------------------------------------------------------------------
 
@@ -191,6 +199,8 @@ class DecoderService:
             try:
                 self._iterate()
             except Exception as e:  # a bug must not hang clients or kill the thread: fail what is in flight
+                if device_lost(e, self.engine.device):  # every later step would fail the same way
+                    return self.lose_device(e)
                 self._log_error(f"moe_decoder engine step failed: {e!r}")
                 for p in list(self._live.values()):
                     self._fail(p, internal_error("moe_decoder engine step", e))
@@ -220,10 +230,9 @@ class DecoderService:
             reply = None if p is None else self._reply(p, token)
             if reply is not None:
                 replies.append(reply)
-        # A request ends: publish once (however many end), exactly, before the last responses go out, so
-        # that a client that has its last response finds its work in the metrics. Otherwise the periodic
-        # publish comes after the tokens and never waits for the GPU: the tokens of the step before the
-        # one in flight would wait for it (every METRICS_PERIOD_S, a gap of two steps).
+        # A request ends: publish once, exactly, before the last responses go out (a client that has its
+        # last response finds its work in the metrics). Else the periodic publish comes after the tokens and
+        # never waits for the GPU: they would wait for the step in flight (a gap of two steps).
         ending = any(final for _, _, final in replies)
         if ending:
             self._maybe_publish(force=True)
@@ -268,9 +277,7 @@ class DecoderService:
         self._sampled_at = now
         blocks = self.engine.blocks
         no_token_yet = [p.arrival for p in self._live.values() if p.seq.first_token_time is None]
-        with self._waiting_lock:
-            waiting = self._waiting
-        load = Load(waiting, 1 - blocks.num_free / blocks.num_blocks,
+        load = Load(self._waiting, 1 - blocks.num_free / blocks.num_blocks,
                     max(self._ttfts.p90(now), now - min(no_token_yet, default=now)))
         before = self._controller.level
         level = self._controller.update(now, load)

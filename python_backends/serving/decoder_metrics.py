@@ -78,3 +78,10 @@ def finished_request(p, now: float) -> tuple[dict[str, int], dict[str, float]]:
     if p.tokens_kept.size:
         observed["keep_ratio"] = p.keep_ratio
     return counts, observed
+
+
+def prompt_step_counts(steps: dict[str, list]) -> dict[str, int]:
+    """runner.prompt_steps ({path: [steps, seconds]}, engine/runner.py's PROMPT_PATHS) as the stats'
+    prompt_steps_<path> and prompt_step_us_<path>."""
+    return {**{f"prompt_steps_{path}": n for path, (n, _) in steps.items()},
+            **{f"prompt_step_us_{path}": int(s * 1e6) for path, (_, s) in steps.items()}}

@@ -1,0 +1,116 @@
+"""A lost CUDA context (serving/device_loss.py): errors that pass are told apart from it; moe_decoder's
+service answers whoever waits with it and ends the process; on a GPU, a device-side assert is a lost
+context and an out-of-memory error is not."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from zipmoe.serving import decoder as decoder_module
+from zipmoe.serving import device_loss
+from zipmoe.serving.decode_request import DecodeRequest
+
+from test_decoder_service import PROMPT, Sink, make_service
+
+
+def test_an_error_on_the_cpu_or_out_of_memory_is_no_lost_device():
+    assert not device_loss.device_lost(RuntimeError("broken"), "cpu")
+    assert not device_loss.device_lost(torch.OutOfMemoryError("CUDA out of memory"), "cuda")  # the device not asked
+
+
+def test_the_process_ends_at_once_or_after_the_delay(monkeypatch):
+    exits, logged, exited = [], [], threading.Event()
+    monkeypatch.setattr(device_loss, "_exit", lambda code: exits.append(code) or exited.set())
+    device_loss.end_process(logged.append, "gone")
+    assert exits == [device_loss.EXIT_CODE] and logged == ["gone"]
+    exited.clear()
+    device_loss.end_process(logged.append, "soon", delay_s=0.2)
+    assert len(exits) == 1 and logged == ["gone", "soon"]  # the timer has not fired yet
+    assert exited.wait(10) and exits == [device_loss.EXIT_CODE] * 2
+
+
+def test_a_lost_device_answers_whoever_waits_and_ends_the_process(tiny_checkpoint, monkeypatch):
+    """The first request is in the failing step; two more wait in the queue meanwhile. Each gets the
+    error before the process ends; none after it is queued."""
+    sinks, exits, exited = [Sink() for _ in range(3)], [], threading.Event()
+
+    def fake_exit(code):
+        exits.append((code, [sink.done.is_set() for sink in sinks]))  # answered before the exit?
+        exited.set()
+
+    monkeypatch.setattr(device_loss, "_exit", fake_exit)
+    monkeypatch.setattr(decoder_module, "device_lost", lambda error, device: True)
+    svc = make_service(tiny_checkpoint)
+    in_step, go, steps = threading.Event(), threading.Event(), []
+
+    def broken_step():
+        steps.append(1)
+        in_step.set()
+        assert go.wait(30)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    svc.engine.step = broken_step
+    svc.submit(DecodeRequest(list(PROMPT), {"max_tokens": 4}), sinks[0])
+    assert in_step.wait(30)
+    for sink in sinks[1:]:  # queued while the step runs
+        svc.submit(DecodeRequest(list(PROMPT), {"max_tokens": 4}), sink)
+    go.set()
+    assert exited.wait(30)
+    svc._thread.join(10)
+    assert not svc._thread.is_alive() and len(steps) == 1  # no step after the one that failed
+    assert exits == [(device_loss.EXIT_CODE, [True, True, True])]
+    for sink in sinks:  # each answered once, with what happened
+        assert len(sink.errors) == 1 and sink.finals == 0
+        assert "internal error" in sink.errors[0] and "CUDA context is lost" in sink.errors[0]
+    with pytest.raises(RuntimeError, match="CUDA context is lost"):  # later requests are refused at once
+        svc.submit(DecodeRequest(list(PROMPT), {"max_tokens": 4}), Sink())
+    svc.lose_device(RuntimeError("again"))  # a second call does nothing
+    assert len(exits) == 1
+    svc.shutdown()
+
+
+def test_an_error_that_passes_fails_the_requests_in_flight_and_the_service_goes_on(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(device_loss, "_exit", lambda code: pytest.fail("the process must not end"))
+    svc = make_service(tiny_checkpoint)
+    step, failed = svc.engine.step, []
+
+    def step_once_broken():
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("a bug")
+        return step()
+
+    svc.engine.step = step_once_broken
+    first = Sink()
+    svc.submit(DecodeRequest(list(PROMPT), {"max_tokens": 4}), first)
+    assert first.done.wait(30) and "internal error" in first.errors[0] and "CUDA" not in first.errors[0]
+    second = Sink()
+    svc.submit(DecodeRequest(list(PROMPT), {"max_tokens": 4}), second)
+    assert second.done.wait(60) and not second.errors and second.finals == 1
+    svc.shutdown()
+
+
+LOSE_THE_DEVICE = """
+import torch
+from zipmoe.serving.device_loss import device_lost
+try:
+    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+except torch.OutOfMemoryError as e:
+    print("after out of memory:", device_lost(RuntimeError(str(e)), "cuda"))
+x = torch.zeros(4, device="cuda")
+try:
+    x[torch.tensor([1 << 20], device="cuda")] += 1  # out of range: a device-side assert
+    torch.cuda.synchronize()
+except Exception as e:
+    print("after a device-side assert:", device_lost(e, "cuda"))
+"""
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_device_side_assert_loses_the_device_and_out_of_memory_does_not():
+    out = subprocess.run([sys.executable, "-c", LOSE_THE_DEVICE], capture_output=True, text=True, timeout=300).stdout
+    assert "after out of memory: False" in out and "after a device-side assert: True" in out
