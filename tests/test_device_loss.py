@@ -1,20 +1,30 @@
 """A lost CUDA context (serving/device_loss.py): errors that pass are told apart from it; moe_decoder's
-service answers whoever waits with it and ends the process; on a GPU, a device-side assert is a lost
-context and an out-of-memory error is not."""
+service answers whoever waits with it and ends the process; through `zipmoe serve`, the streams in
+flight get the error and the server comes back (the loss injected by a wrapper of moe_decoder's
+model.py in a copy of the repository); on a GPU, a device-side assert is a lost context and an
+out-of-memory error is not."""
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
+from zipmoe import serve
+from zipmoe.clients.server_probe import ready
+from zipmoe.clients.triton_client import grpc_generate
 from zipmoe.serving import decoder as decoder_module
 from zipmoe.serving import device_loss
 from zipmoe.serving.decode_request import DecodeRequest
 
 from test_decoder_service import PROMPT, Sink, make_service
+from test_supervisor import wait_for
 
 
 def test_an_error_on_the_cpu_or_out_of_memory_is_no_lost_device():
@@ -92,6 +102,80 @@ def test_an_error_that_passes_fails_the_requests_in_flight_and_the_service_goes_
     svc.submit(DecodeRequest(list(PROMPT), {"max_tokens": 4}), second)
     assert second.done.wait(60) and not second.errors and second.finals == 1
     svc.shutdown()
+
+
+# moe_decoder's model.py in the test's copy of the repository: the first engine step after the file
+# named by $ZIPMOE_TEST_LOSE_DEVICE appears removes it and fails as a lost CUDA context would.
+FAULTY_DECODER = """
+import os
+
+from zipmoe.models.moe_decoder import TritonPythonModel as Model
+from zipmoe.serving import decoder
+
+
+class TritonPythonModel(Model):
+    def initialize(self, args):
+        super().initialize(args)
+        trigger, step = os.environ["ZIPMOE_TEST_LOSE_DEVICE"], self.service.engine.step
+
+        def step_or_lose():
+            if os.path.exists(trigger):
+                os.remove(trigger)
+                decoder.device_lost = lambda error, device: True  # what the probe says on a GPU after it
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            return step()
+
+        self.service.engine.step = step_or_lose
+"""
+
+
+@pytest.mark.integration
+def test_through_zipmoe_serve_a_lost_device_ends_the_streams_and_the_server_comes_back(tiny_checkpoint, tmp_path):
+    repository = tmp_path / "repository"
+    shutil.copytree(serve.DEFAULT_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    (repository / "moe_decoder" / "1" / "model.py").write_text(FAULTY_DECODER)
+    trigger, log = tmp_path / "lose-the-device", tmp_path / "serve.log"
+    http, grpc, metrics = (serve.free_port() for _ in range(3))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "zipmoe.cli", "serve", "--checkpoint", str(tiny_checkpoint),
+                                 "--model-repository", str(repository), "--http-port", str(http),
+                                 "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                                 "--log-file", str(tmp_path / "triton.log")],
+                                env={**os.environ, "ZIPMOE_TEST_LOSE_DEVICE": str(trigger)},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(log, "zipmoe: ready", 300, proc)
+        outcomes: list = []
+
+        def stream():
+            try:
+                for _ in grpc_generate(f"127.0.0.1:{grpc}", text_input="tell me everything", max_tokens=1000,
+                                       ignore_eos=True, stream=True, timeout=60):
+                    pass
+                outcomes.append(("finished", ""))
+            except Exception as e:  # noqa: BLE001 -- what the client sees is the point
+                outcomes.append((type(e).__name__, str(e)))
+
+        threads = [threading.Thread(target=stream) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2)  # the streams are decoding
+        trigger.touch()
+        lost = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert len(outcomes) == 4 and all(kind != "finished" for kind, _ in outcomes), outcomes
+        assert all("CUDA context is lost" in message for _, message in outcomes), outcomes
+        assert time.monotonic() - lost < 30 and not trigger.exists()
+        wait_for(log, "zipmoe: ready again", 300, proc)
+        answer = list(grpc_generate(f"127.0.0.1:{grpc}", text_input="still there?", max_tokens=3, ignore_eos=True))
+        assert answer[-1]["output_token_count"] == 3 and ready(f"127.0.0.1:{http}")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 LOSE_THE_DEVICE = """
