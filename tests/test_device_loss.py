@@ -12,18 +12,20 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from zipmoe import serve
 from zipmoe.clients.server_probe import ready
-from zipmoe.clients.triton_client import grpc_generate
+from zipmoe.clients.triton_client import ServerError, grpc_generate
 from zipmoe.serving import decoder as decoder_module
 from zipmoe.serving import device_loss
 from zipmoe.serving.decode_request import DecodeRequest
 
 from test_decoder_service import PROMPT, Sink, make_service
+from test_images_server import note
 from test_supervisor import wait_for
 
 
@@ -104,40 +106,48 @@ def test_an_error_that_passes_fails_the_requests_in_flight_and_the_service_goes_
     svc.shutdown()
 
 
-# moe_decoder's model.py in the test's copy of the repository: the first engine step after the file
-# named by $ZIPMOE_TEST_LOSE_DEVICE appears removes it and fails as a lost CUDA context would.
-FAULTY_DECODER = """
+# A model's model.py in the test's copy of the repository: the first call of {owner}.{method} after the
+# file named by $ZIPMOE_TEST_LOSE_DEVICE appears removes it and fails as a lost CUDA context would.
+FAULTY_MODEL = """
+import importlib
 import os
 
-from zipmoe.models.moe_decoder import TritonPythonModel as Model
-from zipmoe.serving import decoder
+from zipmoe.models.{model} import TritonPythonModel as Model
 
 
 class TritonPythonModel(Model):
     def initialize(self, args):
         super().initialize(args)
-        trigger, step = os.environ["ZIPMOE_TEST_LOSE_DEVICE"], self.service.engine.step
+        trigger, owner = os.environ["ZIPMOE_TEST_LOSE_DEVICE"], self.{owner}
+        call = owner.{method}
 
-        def step_or_lose():
+        def call_or_lose(*args):
             if os.path.exists(trigger):
                 os.remove(trigger)
-                decoder.device_lost = lambda error, device: True  # what the probe says on a GPU after it
+                # what the probe (device_loss.device_lost) says on a GPU after such an error
+                importlib.import_module("{decides}").device_lost = lambda error, device: True
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-            return step()
+            return call(*args)
 
-        self.service.engine.step = step_or_lose
+        owner.{method} = call_or_lose
 """
+FAULTS = {  # model -> the object and method that fail, the module whose device_lost decides
+    "moe_decoder": dict(owner="service.engine", method="step", decides="zipmoe.serving.decoder"),
+    "vision_encoder": dict(owner="encoder", method="features", decides="zipmoe.models.vision_encoder"),
+}
 
 
-@pytest.mark.integration
-def test_through_zipmoe_serve_a_lost_device_ends_the_streams_and_the_server_comes_back(tiny_checkpoint, tmp_path):
+@contextmanager
+def lose_the_device_in(model: str, checkpoint, tmp_path):
+    """`zipmoe serve` over a copy of the repository whose `model` loses its device once the yielded
+    trigger file appears; yields (trigger, gRPC URL, HTTP URL, serve's log, its process)."""
     repository = tmp_path / "repository"
     shutil.copytree(serve.DEFAULT_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
-    (repository / "moe_decoder" / "1" / "model.py").write_text(FAULTY_DECODER)
+    (repository / model / "1" / "model.py").write_text(FAULTY_MODEL.format(model=model, **FAULTS[model]))
     trigger, log = tmp_path / "lose-the-device", tmp_path / "serve.log"
     http, grpc, metrics = (serve.free_port() for _ in range(3))
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "zipmoe.cli", "serve", "--checkpoint", str(tiny_checkpoint),
+        proc = subprocess.Popen([sys.executable, "-m", "zipmoe.cli", "serve", "--checkpoint", str(checkpoint),
                                  "--model-repository", str(repository), "--http-port", str(http),
                                  "--grpc-port", str(grpc), "--metrics-port", str(metrics),
                                  "--log-file", str(tmp_path / "triton.log")],
@@ -145,12 +155,25 @@ def test_through_zipmoe_serve_a_lost_device_ends_the_streams_and_the_server_come
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(log, "zipmoe: ready", 300, proc)
+        yield trigger, f"127.0.0.1:{grpc}", f"127.0.0.1:{http}", log, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.integration
+def test_through_zipmoe_serve_a_lost_decoder_device_ends_the_streams_and_the_server_comes_back(tiny_checkpoint,
+                                                                                               tmp_path):
+    with lose_the_device_in("moe_decoder", tiny_checkpoint, tmp_path) as (trigger, grpc, http, log, proc):
         outcomes: list = []
 
         def stream():
             try:
-                for _ in grpc_generate(f"127.0.0.1:{grpc}", text_input="tell me everything", max_tokens=1000,
-                                       ignore_eos=True, stream=True, timeout=60):
+                for _ in grpc_generate(grpc, text_input="tell me everything", max_tokens=1000, ignore_eos=True,
+                                       stream=True, timeout=60):
                     pass
                 outcomes.append(("finished", ""))
             except Exception as e:  # noqa: BLE001 -- what the client sees is the point
@@ -164,18 +187,24 @@ def test_through_zipmoe_serve_a_lost_device_ends_the_streams_and_the_server_come
         lost = time.monotonic()
         for t in threads:
             t.join(60)
-        assert len(outcomes) == 4 and all(kind != "finished" for kind, _ in outcomes), outcomes
-        assert all("CUDA context is lost" in message for _, message in outcomes), outcomes
+        assert len(outcomes) == 4 and all("CUDA context is lost" in message for _, message in outcomes), outcomes
         assert time.monotonic() - lost < 30 and not trigger.exists()
         wait_for(log, "zipmoe: ready again", 300, proc)
-        answer = list(grpc_generate(f"127.0.0.1:{grpc}", text_input="still there?", max_tokens=3, ignore_eos=True))
-        assert answer[-1]["output_token_count"] == 3 and ready(f"127.0.0.1:{http}")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        answer = list(grpc_generate(grpc, text_input="still there?", max_tokens=3, ignore_eos=True))
+        assert answer[-1]["output_token_count"] == 3 and ready(http)
+
+
+@pytest.mark.integration
+def test_through_zipmoe_serve_a_lost_vision_device_fails_the_image_request_and_the_server_comes_back(
+        tiny_checkpoint, tmp_path):
+    with lose_the_device_in("vision_encoder", tiny_checkpoint, tmp_path) as (trigger, grpc, http, log, proc):
+        trigger.touch()
+        with pytest.raises(ServerError, match="vision_encoder: internal error: the GPU's CUDA context is lost"):
+            list(grpc_generate(grpc, text_input="What?", images=[note(0)], max_tokens=3, timeout=60))
+        assert not trigger.exists()
+        wait_for(log, "zipmoe: ready again", 300, proc)  # the stub ended a second after its answer
+        answer = list(grpc_generate(grpc, text_input="What?", images=[note(0)], max_tokens=3, ignore_eos=True))
+        assert answer[-1]["output_token_count"] == 3 and ready(http)
 
 
 LOSE_THE_DEVICE = """
