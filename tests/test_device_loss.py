@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from zipmoe.serving.decode_request import DecodeRequest
 
 from test_decoder_service import PROMPT, Sink, make_service
 from test_images_server import note
-from test_supervisor import wait_for
+from test_supervisor import stop, wait_for
 
 
 def test_an_error_on_the_cpu_or_out_of_memory_is_no_lost_device():
@@ -157,11 +156,7 @@ def lose_the_device_in(model: str, checkpoint, tmp_path):
         wait_for(log, "zipmoe: ready", 300, proc)
         yield trigger, f"127.0.0.1:{grpc}", f"127.0.0.1:{http}", log, proc
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
 
 
 @pytest.mark.integration

@@ -28,6 +28,15 @@ def wait_for(log: Path, text: str, timeout: float, proc: subprocess.Popen) -> No
         time.sleep(0.2)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Ends `zipmoe serve` as Ctrl-C does, or kills its process group after 60 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def server_group(http: int) -> int:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -81,8 +90,4 @@ def test_a_dead_stub_fails_in_flight_requests_and_the_server_comes_back(tiny_che
         answer = list(grpc_generate(f"127.0.0.1:{grpc}", text_input="still there?", max_tokens=3, ignore_eos=True))
         assert answer[-1]["output_token_count"] == 3 and ready(f"127.0.0.1:{http}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
