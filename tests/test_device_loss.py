@@ -130,19 +130,23 @@ class TritonPythonModel(Model):
 
         owner.{method} = call_or_lose
 """
-FAULTS = {  # model -> the object and method that fail, the module whose device_lost decides
-    "moe_decoder": dict(owner="service.engine", method="step", decides="zipmoe.serving.decoder"),
-    "vision_encoder": dict(owner="encoder", method="features", decides="zipmoe.models.vision_encoder"),
+FAULTS = {  # where the loss shows -> the model, the object and method that fail, the module whose device_lost decides
+    "engine step": dict(model="moe_decoder", owner="service.engine", method="step", decides="zipmoe.serving.decoder"),
+    "request taken in": dict(model="moe_decoder", owner="service", method="submit",
+                             decides="zipmoe.models.moe_decoder"),
+    "vision forward": dict(model="vision_encoder", owner="encoder", method="features",
+                           decides="zipmoe.models.vision_encoder"),
 }
 
 
 @contextmanager
-def lose_the_device_in(model: str, checkpoint, tmp_path):
-    """`zipmoe serve` over a copy of the repository whose `model` loses its device once the yielded
-    trigger file appears; yields (trigger, gRPC URL, HTTP URL, serve's log, its process)."""
+def lose_the_device_in(where: str, checkpoint, tmp_path):
+    """`zipmoe serve` over a copy of the repository whose model loses its device at FAULTS[where] once
+    the yielded trigger file appears; yields (trigger, gRPC URL, HTTP URL, serve's log, its process)."""
     repository = tmp_path / "repository"
     shutil.copytree(serve.DEFAULT_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
-    (repository / model / "1" / "model.py").write_text(FAULTY_MODEL.format(model=model, **FAULTS[model]))
+    fault = FAULTS[where]
+    (repository / fault["model"] / "1" / "model.py").write_text(FAULTY_MODEL.format(**fault))
     trigger, log = tmp_path / "lose-the-device", tmp_path / "serve.log"
     http, grpc, metrics = (serve.free_port() for _ in range(3))
     with open(log, "w") as out:
@@ -159,47 +163,61 @@ def lose_the_device_in(model: str, checkpoint, tmp_path):
         stop(proc)
 
 
+def streams(grpc: str, count: int) -> tuple[list[threading.Thread], list]:
+    """`count` long streams started on `grpc`; each appends (outcome, message) when it ends."""
+    outcomes: list = []
+
+    def stream():
+        try:
+            for _ in grpc_generate(grpc, text_input="tell me everything", max_tokens=1000, ignore_eos=True,
+                                   stream=True, timeout=60):
+                pass
+            outcomes.append(("finished", ""))
+        except Exception as e:  # noqa: BLE001 -- what the client sees is the point
+            outcomes.append((type(e).__name__, str(e)))
+
+    threads = [threading.Thread(target=stream) for _ in range(count)]
+    for t in threads:
+        t.start()
+    return threads, outcomes
+
+
+def comes_back(grpc: str, http: str, log, proc) -> None:
+    wait_for(log, "zipmoe: ready again", 300, proc)
+    answer = list(grpc_generate(grpc, text_input="still there?", images=[note(0)], max_tokens=3, ignore_eos=True))
+    assert answer[-1]["output_token_count"] == 3 and ready(http)
+
+
 @pytest.mark.integration
+@pytest.mark.parametrize("where", ["engine step", "request taken in"])
 def test_through_zipmoe_serve_a_lost_decoder_device_ends_the_streams_and_the_server_comes_back(tiny_checkpoint,
-                                                                                               tmp_path):
-    with lose_the_device_in("moe_decoder", tiny_checkpoint, tmp_path) as (trigger, grpc, http, log, proc):
-        outcomes: list = []
-
-        def stream():
-            try:
-                for _ in grpc_generate(grpc, text_input="tell me everything", max_tokens=1000, ignore_eos=True,
-                                       stream=True, timeout=60):
-                    pass
-                outcomes.append(("finished", ""))
-            except Exception as e:  # noqa: BLE001 -- what the client sees is the point
-                outcomes.append((type(e).__name__, str(e)))
-
-        threads = [threading.Thread(target=stream) for _ in range(4)]
-        for t in threads:
-            t.start()
+                                                                                               tmp_path, where):
+    """Lost in a step, or while moe_decoder takes a new request in: the streams in flight (and the new
+    request) each end with the error, and the server comes back."""
+    with lose_the_device_in(where, tiny_checkpoint, tmp_path) as (trigger, grpc, http, log, proc):
+        threads, outcomes = streams(grpc, 4)
         time.sleep(2)  # the streams are decoding
         trigger.touch()
         lost = time.monotonic()
+        if where == "request taken in":
+            with pytest.raises(ServerError, match="moe_decoder: internal error: the GPU's CUDA context is lost"):
+                list(grpc_generate(grpc, text_input="one more", max_tokens=3, timeout=60))
         for t in threads:
             t.join(60)
         assert len(outcomes) == 4 and all("CUDA context is lost" in message for _, message in outcomes), outcomes
         assert time.monotonic() - lost < 30 and not trigger.exists()
-        wait_for(log, "zipmoe: ready again", 300, proc)
-        answer = list(grpc_generate(grpc, text_input="still there?", max_tokens=3, ignore_eos=True))
-        assert answer[-1]["output_token_count"] == 3 and ready(http)
+        comes_back(grpc, http, log, proc)
 
 
 @pytest.mark.integration
 def test_through_zipmoe_serve_a_lost_vision_device_fails_the_image_request_and_the_server_comes_back(
         tiny_checkpoint, tmp_path):
-    with lose_the_device_in("vision_encoder", tiny_checkpoint, tmp_path) as (trigger, grpc, http, log, proc):
+    with lose_the_device_in("vision forward", tiny_checkpoint, tmp_path) as (trigger, grpc, http, log, proc):
         trigger.touch()
         with pytest.raises(ServerError, match="vision_encoder: internal error: the GPU's CUDA context is lost"):
             list(grpc_generate(grpc, text_input="What?", images=[note(0)], max_tokens=3, timeout=60))
         assert not trigger.exists()
-        wait_for(log, "zipmoe: ready again", 300, proc)  # the stub ended a second after its answer
-        answer = list(grpc_generate(grpc, text_input="What?", images=[note(0)], max_tokens=3, ignore_eos=True))
-        assert answer[-1]["output_token_count"] == 3 and ready(http)
+        comes_back(grpc, http, log, proc)  # the stub ended a second after its answer
 
 
 LOSE_THE_DEVICE = """
