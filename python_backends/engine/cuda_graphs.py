@@ -67,17 +67,23 @@ def capture(fn, pool):
     return graph, out
 
 
+def all_buckets(max_batch: int, routing_min_batch: int, prompt_graph_rows: int) -> list[int]:
+    """Every graph's rows, ascending: the decode buckets, then the prompt-row buckets."""
+    return bucket_sizes(max_batch, routing_min_batch) + prompt_buckets(max_batch, prompt_graph_rows)
+
+
 def kept_logit_rows(max_batch: int, routing_min_batch: int, prompt_graph_rows: int) -> int:
-    """Rows of float32 logits the decode graphs keep between replays (each capture's output)."""
-    return sum(bucket_sizes(max_batch, routing_min_batch)) + max_batch * len(prompt_buckets(max_batch, prompt_graph_rows))
+    """Rows of float32 logits the decode graphs keep between replays (each capture's output): a graph
+    of b rows keeps min(b, max_batch), as DecodeGraphs captures them."""
+    return sum(min(b, max_batch) for b in all_buckets(max_batch, routing_min_batch, prompt_graph_rows))
 
 
 class DecodeGraphs:
     def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, max_batch: int, max_blocks: int,
                  prompt_graph_rows: int = 0):
         self.model = model
-        self.decode_buckets = bucket_sizes(max_batch, model.routing_min_batch)
-        self.buckets = self.decode_buckets + prompt_buckets(self.max_batch, prompt_graph_rows)
+        self.buckets = all_buckets(max_batch, model.routing_min_batch, prompt_graph_rows)
+        self.max_batch = max_batch  # the largest decode step (max_num_seqs); above it, prompt rows only
         n, dev = self.buckets[-1], model.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(3, n, dtype=torch.long, device=dev)
@@ -100,14 +106,9 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[b] = graph
         torch.cuda.synchronize()
-        prompt = len(self.buckets) - len(self.decode_buckets)
+        prompt = sum(b > self.max_batch for b in self.buckets)
         print(f"decode graphs: {len(self.buckets)} buckets of up to {self.max_rows} rows ({prompt} for prompt rows "
               f"above {self.max_batch}), {(torch.cuda.memory_reserved(dev) - reserved) / 2**20:.0f} MiB", flush=True)
-
-    @property
-    def max_batch(self) -> int:
-        """The largest decode step (max_num_seqs)."""
-        return self.decode_buckets[-1]
 
     @property
     def max_rows(self) -> int:
