@@ -20,6 +20,8 @@ head of the decoder's second-to-last layer is told where each answer token is pr
 decoder reads: in session 17's 10-minute run the validation loss was 1.14 against 1.84 with blank
 images (sessions 15 and 16: about 0.01 apart), and the head looked at the right token 71 % of the
 time (docs/results/train_v2_attention_log.json).
+`--expert-width`, `--balance-loss` and `--router-z-loss` change the routing recipe (issue 18 wants
+experts that a top-2 truncation misses; session 24's run with all three: docs/QUALITY.md).
 
 Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
   text: 256 wide, 6 MoE layers of 64 experts 64 wide, top-8 (Qwen3-30B-A3B's 128 / top-8 ratio
@@ -207,8 +209,13 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 1.0) -> dict:
-    run = set_up(out, SIZES[size], ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
+          read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 1.0,
+          expert_width: int | None = None, balance_loss: float | None = None, router_z_loss: float = 0.0) -> dict:
+    text_shape, vision_shape = SIZES[size]
+    # Routing knobs (issue 18 wants experts that a top-2 truncation misses): None keeps the size's own.
+    text_shape = {**text_shape, **({"moe_intermediate_size": expert_width} if expert_width else {}),
+                  **({"router_aux_loss_coef": balance_loss} if balance_loss is not None else {})}
+    run = set_up(out, (text_shape, vision_shape), ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size
     reading = TokenReadingHead(run.model.model.visual, run.config.vision_config.out_hidden_size, centering).to(dev)
@@ -227,7 +234,9 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
                  "reading_loss": reading_loss, "read_fraction": read_fraction, "attend_loss": attend_loss,
-                 "centering": centering, "task_set": "v2"}
+                 "centering": centering, "task_set": "v2", "router_z_loss": router_z_loss,
+                 "moe_intermediate_size": text_shape.get("moe_intermediate_size"),
+                 "router_aux_loss_coef": text_shape.get("router_aux_loss_coef")}
     counted = {"examples": 0, "tokens": 0, "patches": 0}
 
     def count_and_move(data: dict) -> dict:
@@ -239,6 +248,7 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
     validation = functools.partial(validate, run.model, val_loader, dev, run.tokenizer, temporal, reading, looking)
     seconds = fit(run, reading, train_loader, log, steps=steps, lr=lr, minutes=minutes, reading_loss=reading_loss,
                   val_every_minutes=val_every_minutes, validate=validation, to_device=count_and_move,
+                  router_z_loss=router_z_loss,
                   attend_loss=(lambda targets: attend_loss * looking.loss(targets)) if looking is not None else None)
     # Includes validation time and the workers' start: a lower bound of the training rate.
     log["throughput"] = {f"{k}_per_second": round(v / seconds, 1) for k, v in counted.items()}
@@ -286,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of the penalty on the visual tokens' shared mean vector, inside the reading "
                         "head's loss, so scaled by --reading-loss too (TokenReadingHead; "
                         f"default {default['centering']}; 0: off)")
+    p.add_argument("--expert-width", type=int, default=None,
+                   help="each expert's intermediate size (default: the size's own; v2: 64)")
+    p.add_argument("--balance-loss", type=float, default=None,
+                   help="the router's load-balancing loss weight (default: the size's own; v2: 0.01)")
+    p.add_argument("--router-z-loss", type=float, default=None,
+                   help=f"weight of the routers' z-loss (training.router_z_term; default {default['router_z_loss']})")
     p.add_argument("--no-sere", dest="calibrate_sere", action="store_false", default=None, help="skip SERE calibration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)

@@ -245,15 +245,27 @@ def loaders(run: Run, train_set: Dataset, val_set: Dataset, batch: int, workers:
     return DataLoader(train_set, **args), DataLoader(val_set, **args)
 
 
+def router_z_term(router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean squared log-sum-exp of each real token's router logits,
+    averaged over the MoE layers. Small logits keep the router's top-K weights close together, so
+    every chosen expert carries a real share of the output: a router whose first expert holds most
+    of the weight trains that expert to work alone, and the others become interchangeable copies
+    that a top-2 truncation does not miss (docs/QUALITY.md)."""
+    real = attention_mask.reshape(-1).bool()
+    terms = [torch.logsumexp(logits[real].float(), dim=-1).square().mean() for logits in router_logits]
+    return torch.stack(terms).mean()
+
+
 def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, steps: int, lr: float,
         minutes: float, reading_loss: float, val_every_minutes: float, validate: Callable[[], dict],
         to_device: Callable[[dict], dict] | None = None,
-        attend_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+        attend_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, router_z_loss: float = 0.0) -> float:
     """Train the model and the reading head (its `loss(readings)` weighted by reading_loss) over
     `loader` until `steps` or `minutes` run out, calling `validate()` every val_every_minutes.
     to_device: a collated batch (task ids dropped) -> on the device (default: moved as it is).
     attend_loss: the batch's "attend" targets -> a weighted loss on the last forward, added (and
-    logged as a fourth column of `losses`). Adds losses, validation, skipped_steps, steps, minutes
+    logged as a fourth column of `losses`). router_z_loss: weight of ST-MoE's z-loss on the MoE
+    routers' logits (`router_z_term`). Adds losses, validation, skipped_steps, steps, minutes
     and final_loss to `log`; returns the seconds the loop ran."""
     dev = run.device
     to_device = to_device or functools.partial(move_batch, device=dev)
@@ -276,7 +288,10 @@ def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, st
         data = to_device(data)
         readings, attend = data.pop("readings"), data.pop("attend", None)
         with autocast(dev):
-            loss = run.model(**data, output_router_logits=True).loss
+            out = run.model(**data, output_router_logits=True)
+            loss = out.loss
+            if router_z_loss:
+                loss = loss + router_z_loss * router_z_term(out.router_logits, data["attention_mask"])
             aux = reading.loss(readings)
             attend_term = attend_loss(attend) if attend_loss is not None else None
         loss = loss + reading_loss * aux + (attend_term if attend_term is not None else 0.0)

@@ -229,6 +229,30 @@ def test_cli_smoke_flag_sets_the_smoke_settings_and_explicit_flags_win(monkeypat
     seen.clear()
     train_v2.main(["--out", "y"])
     assert seen == {"out": "y"}  # everything else: train()'s defaults
+    seen.clear()
+    train_v2.main(["--out", "z", "--expert-width", "32", "--balance-loss", "0.001", "--router-z-loss", "0.01"])
+    assert seen == {"out": "z", "expert_width": 32, "balance_loss": 0.001, "router_z_loss": 0.01}
+
+
+def test_router_z_term_is_the_mean_squared_logsumexp_of_real_tokens():
+    from zipmoe.build.training import router_z_term
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # 3 real tokens, 3 pads (HF flattens batch x sequence)
+    layers = (torch.randn(6, 8), torch.randn(6, 8) * 3)
+    real = [0, 1, 3]
+    want = sum(float(torch.logsumexp(x[real], -1).square().mean()) for x in layers) / len(layers)
+    assert float(router_z_term(layers, mask)) == pytest.approx(want, rel=1e-6)
+    layers[1][2] = 1e4  # a pad's logits do not count
+    assert float(router_z_term(layers, mask)) == pytest.approx(want, rel=1e-6)
+
+
+def test_routing_knobs_reach_the_checkpoint_config_and_the_log(tmp_path):
+    from zipmoe.build import train_v2
+    settings = {**SMOKE, "steps": 1, "calibrate_sere": False, "val_examples": 1}
+    train_v2.train(tmp_path, **settings, expert_width=16, balance_loss=0.001, router_z_loss=0.01)
+    text = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert (text["moe_intermediate_size"], text["router_aux_loss_coef"]) == (16, 0.001)
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert (log["moe_intermediate_size"], log["router_aux_loss_coef"], log["router_z_loss"]) == (16, 0.001, 0.01)
 
 
 def test_common_mode_share():
