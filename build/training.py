@@ -247,10 +247,9 @@ def loaders(run: Run, train_set: Dataset, val_set: Dataset, batch: int, workers:
 
 def router_z_term(router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: the mean squared log-sum-exp of each real token's router logits,
-    averaged over the MoE layers. Small logits keep the router's top-K weights close together, so
-    every chosen expert carries a real share of the output: a router whose first expert holds most
-    of the weight trains that expert to work alone, and the others become interchangeable copies
-    that a top-2 truncation does not miss (docs/QUALITY.md)."""
+    averaged over the MoE layers. Small logits keep the router's top-K weights closer together, so
+    that more of the chosen experts carry a share of the output (issue 18 wants experts a top-2
+    truncation misses; what it did for task set v2 in session 24: docs/QUALITY.md)."""
     real = attention_mask.reshape(-1).bool()
     terms = [torch.logsumexp(logits[real].float(), dim=-1).square().mean() for logits in router_logits]
     return torch.stack(terms).mean()
