@@ -211,10 +211,12 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
           read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 1.0,
           expert_width: int | None = None, balance_loss: float | None = None, router_z_loss: float = 0.0) -> dict:
-    text_shape, vision_shape = SIZES[size]
+    text_shape, vision_shape = dict(SIZES[size][0]), SIZES[size][1]
     # Routing knobs (issue 18 wants experts that a top-2 truncation misses): None keeps the size's own.
-    text_shape = {**text_shape, **({"moe_intermediate_size": expert_width} if expert_width else {}),
-                  **({"router_aux_loss_coef": balance_loss} if balance_loss is not None else {})}
+    if expert_width:
+        text_shape["moe_intermediate_size"] = expert_width
+    if balance_loss is not None:
+        text_shape["router_aux_loss_coef"] = balance_loss
     run = set_up(out, (text_shape, vision_shape), ts.tokenizer_corpus(), TOKENIZER_VOCAB, seed=seed, device=device,
                  vision_attention=PACKED_IMAGE_ATTENTION, vision_inputs=grid_cached_vision_inputs, experts=experts)
     dev, temporal = run.device, run.config.vision_config.temporal_patch_size

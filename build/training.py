@@ -250,9 +250,10 @@ def router_z_term(router_logits: tuple[torch.Tensor, ...], attention_mask: torch
     averaged over the MoE layers. Small logits keep the router's top-K weights closer together, so
     that more of the chosen experts carry a share of the output (issue 18 wants experts a top-2
     truncation misses; what it did for task set v2 in session 24: docs/QUALITY.md)."""
-    real = attention_mask.reshape(-1).bool()
-    terms = [torch.logsumexp(logits[real].float(), dim=-1).square().mean() for logits in router_logits]
-    return torch.stack(terms).mean()
+    # A weighted mean, not boolean indexing: indexing by a mask syncs with the host once per layer.
+    real = attention_mask.reshape(-1).float()
+    z = torch.stack([torch.logsumexp(logits.float(), dim=-1).square() for logits in router_logits])
+    return (z * real).sum() / (real.sum() * len(router_logits))
 
 
 def fit(run: Run, reading: torch.nn.Module, loader: DataLoader, log: dict, *, steps: int, lr: float,
