@@ -163,6 +163,36 @@ def test_preempted_sequences_wait_until_they_fit():
     assert all(b == [(old, 1)] for b in batches[first:])  # from the preemption on: old alone
 
 
+@pytest.mark.parametrize("cap, admitted_per_step", [(1, [1, 1, 1]), (2, [2, 1]), (0, [3])])
+def test_new_sequences_beside_running_ones_are_capped_per_step(cap, admitted_per_step):
+    """max_new_seqs_per_step bounds admissions into a step that carries running sequences' tokens;
+    a step with nothing running admits all that fit; 0 lifts the cap."""
+    from zipmoe.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_new_seqs_per_step=cap)
+    streams = [Sequence(i, [1] * 5, greedy()) for i in range(2)]
+    for seq in streams:
+        sched.add(seq)
+    assert sched.schedule() == [(seq, 5) for seq in streams]  # nothing was running: no cap
+    for seq in streams:
+        seq.num_cached, seq.output_ids = 5, [9]
+    new = [Sequence(2 + i, [2] * 3, greedy()) for i in range(3)]
+    for seq in new:
+        sched.add(seq)
+    counts = []
+    while sched.waiting:
+        batch, running = sched.schedule(), len(streams)
+        assert batch[:running] == [(seq, 1) for seq in streams]  # the running streams' tokens, every step
+        counts.append(len(batch) - running)
+        for seq, n in batch[running:]:
+            seq.num_cached, seq.output_ids = n, [9]
+        streams += [seq for seq, _ in batch[running:]]
+        for seq in streams:
+            seq.num_cached = len(seq) - 1
+    assert counts == admitted_per_step
+
+
 def test_decode_batch_tensors_follow_the_block_tables():
     """The decode step's host tensors, against their definition: the newest token's cache slot, the
     tables padded with block 0, positions shifted by each sequence's rope delta."""

@@ -51,6 +51,9 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "sequences in one decode step", min=1)
     max_num_batched_tokens: int = setting(8192, "tokens in one step: every running sequence's next token, then "
                                                 "prompt chunks (chunked prefill)", min=1)
+    max_new_seqs_per_step: int = setting(1, "waiting sequences admitted into a step that also carries running "
+                                            "sequences' tokens (scheduler.py); 0: as many as the budget allows",
+                                         min=0)
     max_model_len: int = setting(4096, "context length: prompt + generated tokens", min=2)
     max_tokens_cap: int = setting(1024, "requests asking for more new tokens are refused", min=1)
     routing_policy: str = setting("topk", "decode-step routing (prefill keeps the router's top-K)",
@@ -139,7 +142,8 @@ class LLMEngine:
                      self.text.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv, self.blocks, config.max_num_seqs, config.max_model_len,
                                   config.cuda_graphs, graph_tokens, prompt_rows)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_new_seqs_per_step)
         self.eos = set(self.text.eos_token_ids)
         self._ids = itertools.count()
         self._single_process = shard is None  # expert parallel keeps its processes in lockstep on plain steps

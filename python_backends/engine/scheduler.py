@@ -3,12 +3,19 @@
 Every step carries each running sequence's next token(s) under one budget of
 `max_num_batched_tokens`: a sequence that is decoding takes one token, a sequence whose prompt is
 not yet in the KV cache takes a chunk of it (as much as the budget leaves), and waiting sequences
-are admitted while budget, `max_num_seqs` and free KV blocks for their whole prompt allow. So a 30-image prompt is
+are admitted while budget, `max_num_seqs` and free KV blocks for their whole prompt allow, and at most
+`max_new_seqs_per_step` of them into a step that already carries running sequences' tokens. So a 30-image prompt is
 prefilled over several steps while the running streams keep getting a token every step, instead
 of stalling them for its whole prefill. Running sequences are served oldest first, so decode
 tokens come before prefill chunks. KV blocks are taken as the tokens are scheduled; when a
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed (prompt + tokens so far) when re-admitted.
+
+Why cap admissions beside running sequences: every running stream waits for the whole step, and a
+step's cost at MoE scale grows with its rows (more tokens pick more of the experts, all of whose
+weights are read). Short prompts arriving together (streams that finish together and ask again)
+would make one long step that every stream sees as one long gap; one or two per step keep each
+such step near a decode step, and the streams' restarts drift apart instead of coinciding again.
 """
 from __future__ import annotations
 
@@ -21,10 +28,12 @@ ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens of it computed 
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_new_seqs_per_step: int = 0):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_new_seqs_per_step = max_new_seqs_per_step  # beside running sequences' tokens; 0: no cap
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -63,7 +72,10 @@ class Scheduler:
                 budget -= n
         # A pass that had to preempt admits nobody: the freed blocks would go straight back to the
         # sequence just sent away, its chunk recomputed step after step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted:
+        admissions = self.max_new_seqs_per_step if batch and self.max_new_seqs_per_step else len(self.waiting)
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and admissions > 0
+               and self.num_preemptions == preempted):
+            admissions -= 1
             seq = self.waiting[0]
             n = min(len(seq), budget)
             if not self.blocks.can_hold(seq, len(seq)):  # admit what can be prefilled to its end now
