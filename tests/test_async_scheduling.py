@@ -124,14 +124,14 @@ def test_pipelined_cuda_graph_steps_give_the_same_tokens(tiny_checkpoint):
 
 def count_follow_ups(eng: LLMEngine) -> list[bool]:
     """Records, for each decode step launched on the step before's tokens, whether a request was waiting."""
-    seen, launch = [], eng.runner.launch_decode
+    seen, launch = [], eng.runner.launch
 
-    def counted(seqs, input_ids):
+    def counted(batch, input_ids):
         if input_ids is not None:
             seen.append(bool(eng.scheduler.waiting))
-        return launch(seqs, input_ids)
+        return launch(batch, input_ids)
 
-    eng.runner.launch_decode = counted
+    eng.runner.launch = counted
     return seen
 
 
@@ -179,3 +179,19 @@ def test_turning_it_off_with_a_step_in_flight_then_prefilling(tiny_checkpoint):
         alone.step()
     assert later.output_ids == again.output_ids and first.pending == 0 and len(first.output_ids) == 4
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_short_prompts_are_admitted_behind_the_step_in_flight(tiny_checkpoint):
+    """A whole text prompt that rides a decode graph beside the running streams is launched behind the
+    step in flight (its rows after their decode tokens, whose ids stay on the device): the same tokens
+    and endings as one step at a time. On a CPU no decode graph exists, so the test lets every step
+    ride one (the eager decode forward computes the same rows)."""
+    def run(pipelined):
+        eng = engine(tiny_checkpoint, pipelined)
+        eng.runner.rides_decode_graph = lambda batch: True
+        return serve(eng), eng.runner.prompt_steps
+
+    (plain, plain_steps), (piped, piped_steps) = run(False), run(True)
+    assert piped == plain
+    assert plain_steps["pipelined"][0] == 0 and piped_steps["pipelined"][0] == 1  # "late", beside the others
+    assert piped_steps["decode_graph"][0] == plain_steps["decode_graph"][0] - 1

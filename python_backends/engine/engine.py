@@ -33,7 +33,7 @@ from .routing import POLICIES, make_policy
 from .multimodal import VisualInputs
 from .runner import ModelRunner, is_decode
 from .sampler import make_generator
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FinishReason, SamplingParams, Sequence
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class InFlight:
     tokens: torch.Tensor  # [B] on the device: the next step's input ids
     host: torch.Tensor  # [B] their copy on the host, queued after the step
     copied: torch.cuda.Event | None = field(default=None)  # recorded after that copy (CUDA)
+    prompts_from: float | None = None  # the step admitted prompts: perf_counter() when it was launched
 
 
 class RequestError(ValueError):
@@ -252,7 +253,7 @@ class LLMEngine:
         if not batch:
             return []
         if self._pipelined and all(is_decode(seq, n) for seq, n in batch):
-            self._launch([seq for seq, _ in batch], None)
+            self._launch(batch, None)
             return []
         results = self.runner.run(batch)
         self.steps_run += 1
@@ -262,35 +263,43 @@ class LLMEngine:
                 seq.visual.offload()
         return self._commit(results)
 
-    def _launch(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> None:
-        tokens = self.runner.launch_decode(seqs, input_ids)
+    def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None, admits: bool = False) -> None:
+        """Launches a step whose every sequence samples a token, leaving the tokens on the device: decode
+        tokens, and after them (admits) whole text prompts admitted behind a step in flight."""
+        started = time.perf_counter()
+        tokens = self.runner.launch(batch, input_ids)
         self.steps_run += 1
         self.steps_pipelined += input_ids is not None  # a follow-up launch: its input ids never left the device
-        for seq in seqs:
-            seq.num_cached += 1
+        for seq, n in batch:
+            seq.num_cached += n
             seq.pending += 1
+        seqs = [seq for seq, _ in batch]
+        prompts_from = started if admits else None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
-            self._inflight = InFlight(seqs, tokens, host, copied)
+            self._inflight = InFlight(seqs, tokens, host, copied, prompts_from)
         else:
-            self._inflight = InFlight(seqs, tokens, tokens)
+            self._inflight = InFlight(seqs, tokens, tokens, None, prompts_from)
 
     def _step_behind(self) -> list[tuple[Sequence, int]]:
-        """Launches the next decode step where it can follow the one in flight, then reads that one back."""
+        """Launches the next step where it can follow the one in flight (its decode tokens, maybe short
+        prompts admitted beside them), then reads that one back."""
         prev, self._inflight = self._inflight, None
         index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
         live = [prev.seqs[i] for i in index]
-        if self._can_follow(live):
+        admitted = self._follow_admissions(live)
+        if admitted is not None:
             try:
                 batch = self.scheduler.schedule()
-                if [seq for seq, _ in batch] != live:  # _can_follow mirrors the scheduler: a bug if not
-                    raise RuntimeError("async scheduling: the next decode batch differs from the one in flight")
+                if batch != [(seq, 1) for seq in live] + admitted:  # planned ahead of the scheduler: a bug if not
+                    raise RuntimeError("async scheduling: the next step differs from the one planned behind "
+                                       "the step in flight")
                 ids = prev.tokens
                 if len(index) < len(prev.seqs):  # a queued copy of the index: a blocking one would wait for prev
                     ids = ids[torch.tensor(index).to(ids.device, non_blocking=True)]
-                self._launch(live, ids)
+                self._launch(batch, ids, bool(admitted))
             except BaseException:  # the step in flight is still to be read back by whoever calls next
                 self._inflight = prev
                 raise
@@ -306,6 +315,10 @@ class LLMEngine:
         if prev.copied is not None:
             prev.copied.synchronize()
         tokens = prev.host.tolist()
+        if prev.prompts_from is not None:  # a step that admitted prompts: from its inputs to its tokens here
+            record = self.runner.prompt_steps["pipelined"]
+            record[0] += 1
+            record[1] += time.perf_counter() - prev.prompts_from
         results = []
         for seq, token in zip(prev.seqs, tokens):
             seq.pending -= 1
@@ -313,28 +326,29 @@ class LLMEngine:
                 results.append((seq, token))
         return self._commit(results)
 
-    def _can_follow(self, live: list[Sequence]) -> bool:
-        """The next step would be exactly `live`, each decoding its pending token: nobody is mid-prompt
-        or would be admitted (as Scheduler.schedule admits), nobody would be preempted, every token is
-        wanted and fits."""
+    def _follow_admissions(self, live: list[Sequence]) -> ScheduledBatch | None:
+        """What the next step admits beside `live`'s decode tokens where that step can be launched
+        behind the one in flight: [] none; whole text prompts that ride a decode graph with the decode
+        rows (runner.rides_decode_graph). None where it cannot follow: someone is mid-prompt or would
+        be preempted, a token is not wanted or does not fit, or an admission needs the step's inputs
+        on the host (an image prompt, a chunk of a longer one, a step too large for a decode graph)."""
         sched = self.scheduler
         if not self._pipelined or not live or len(sched.running) != len(live):
-            return False
+            return None
         bs, new_blocks = self.blocks.block_size, 0
         for seq in live:
             produced = len(seq.output_ids) + seq.pending
             if produced >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
-                return False
+                return None
             new_blocks += seq.num_cached >= len(seq.block_table) * bs
         free = self.blocks.num_free - new_blocks
         if free < 0:
-            return False
-        if sched.waiting:  # one that cannot be admitted yet (a full batch, too few blocks) waits either way
-            head = sched.waiting[0]
-            if (sched.max_num_batched_tokens > len(live) and len(sched.running) < sched.max_num_seqs
-                    and self.blocks.blocks_needed(len(head)) - len(head.block_table) <= free):
-                return False
-        return True
+            return None
+        admitted = sched.admissions(sched.max_num_batched_tokens - len(live), free, len(live), True)
+        if not admitted:
+            return []
+        whole_text = all(seq.visual is None and n == len(seq) for seq, n in admitted)
+        return admitted if whole_text and self.runner.rides_decode_graph([(s, 1) for s in live] + admitted) else None
 
     def _commit(self, results: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Appends each new token and ends the sequences it ends."""

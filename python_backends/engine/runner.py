@@ -35,7 +35,9 @@ from .sequence import Sequence
 # row reads its context from the cache by itself (at the 30B shape 96 KiB a token over 48 layers, so
 # the bound keeps that under ~6 GiB, about 1.5 ms, where the piecewise path spends ~15 ms of host time).
 PROMPT_ROW_CONTEXT = 1 << 16
-PROMPT_PATHS = ("decode_graph", "piecewise", "eager")  # how a step with prompt tokens ran, in that order of preference
+# How a step with prompt tokens ran, in order of preference: "pipelined" rode a decode graph launched
+# behind the step in flight (async scheduling, engine.py), "decode_graph" rode one after it.
+PROMPT_PATHS = ("pipelined", "decode_graph", "piecewise", "eager")
 
 
 class ModelRunner:
@@ -166,8 +168,7 @@ class ModelRunner:
             record[0] += 1
             record[1] += time.perf_counter() - start
             return list(zip(sampling, tokens))
-        seqs = [seq for seq, _ in batch]
-        return list(zip(seqs, self.launch_decode(seqs, None).tolist()))
+        return list(zip([seq for seq, _ in batch], self.launch(batch, None).tolist()))
 
     def rides_decode_graph(self, batch: ScheduledBatch) -> bool:
         """A step with prompt chunks runs as `prompt_rows` in a decode graph: its tokens fit the largest
@@ -187,17 +188,23 @@ class ModelRunner:
                 context += n * start + n * (n + 1) // 2
         return context <= self.prompt_row_context
 
-    def prompt_rows(self, batch: ScheduledBatch) -> tuple[dict[str, torch.Tensor], list[int]]:
+    def prompt_rows(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], list[int]]:
         """A step with prompt chunks as the host tensors of a decode step (decode_batch's), one row per
         token: the token at index i of its sequence gets that index's position, its own cache slot and
         context length i + 1 (its K/V is written before the attention reads it); every row opts out of
-        re-routing. Also the rows whose logits sample: each sequence's row that reaches its end."""
+        re-routing. Also the rows whose logits sample: each sequence's row that reaches its end.
+        pending: the input ids of the batch's first sequences (one decode token each) where they are
+        still on the device (the step in flight's tokens, async scheduling); the rest come from the host."""
         counts = [n for _, n in batch]
         index = np.concatenate([np.arange(seq.num_cached, seq.num_cached + n) for seq, n in batch])
         tables = np.repeat(self._tables([seq for seq, _ in batch]), counts, axis=0)
         slots = slots_at(tables, index, self.blocks.block_size)
         ends = np.cumsum(counts) - 1
-        tensors = dict(input_ids=torch.tensor([t for seq, n in batch for t in seq.all_ids[seq.num_cached:seq.num_cached + n]]),
+        known = batch if pending is None else batch[pending.shape[0]:]
+        ids = torch.tensor([t for seq, n in known for t in seq.all_ids[seq.num_cached:seq.num_cached + n]])
+        if pending is not None:  # queued: a blocking copy would wait for the step in flight
+            ids = torch.cat([pending, ids.to(pending.device, non_blocking=True)])
+        tensors = dict(input_ids=ids,
                        positions=torch.cat([self._positions(seq)[:, seq.num_cached:seq.num_cached + n]
                                             for seq, n in batch], dim=1),
                        slots=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
@@ -205,10 +212,15 @@ class ModelRunner:
                        opt_out=torch.ones(len(index), dtype=torch.bool))
         return tensors, [int(ends[i]) for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
 
-    def launch_decode(self, seqs: list[Sequence], input_ids: torch.Tensor | None) -> torch.Tensor:
-        """A decode step whose next tokens stay on the device ([B], queued, not waited for).
-        input_ids: the step's tokens where they are still on the device (the previous step's result,
-        async scheduling); None: each sequence's last token."""
+    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """A step whose every sequence samples, its next tokens left on the device ([len(batch)], queued,
+        not waited for): decode tokens, then maybe whole prompts riding the decode graph as prompt_rows
+        (rides_decode_graph). input_ids: the decode tokens' ids where they are still on the device (the
+        previous step's result, async scheduling); None: each sequence's last token."""
+        seqs = [seq for seq, _ in batch]
+        if input_ids is not None and len(batch) > input_ids.shape[0]:  # prompts after the decode tokens
+            tensors, rows = self.prompt_rows(batch, input_ids)
+            return sample(self._decode(tensors, counted=0, rows=rows), seqs)  # top-K for every row: none counted
         tensors = self.decode_batch(seqs)
         if input_ids is not None:
             tensors["input_ids"] = input_ids

@@ -72,20 +72,31 @@ class Scheduler:
                 budget -= n
         # A pass that had to preempt admits nobody: the freed blocks would go straight back to the
         # sequence just sent away, its chunk recomputed step after step.
-        admissions = self.max_new_seqs_per_step if batch and self.max_new_seqs_per_step else len(self.waiting)
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and admissions > 0
-               and self.num_preemptions == preempted):
-            admissions -= 1
-            seq = self.waiting[0]
-            n = min(len(seq), budget)
-            if not self.blocks.can_hold(seq, len(seq)):  # admit what can be prefilled to its end now
-                break
-            self.blocks.hold(seq, n)
-            seq.status = Status.RUNNING
-            self.running.append(self.waiting.popleft())
-            batch.append((seq, n))
-            budget -= n
+        if self.num_preemptions == preempted:
+            for seq, n in self.admissions(budget, self.blocks.num_free, len(self.running), bool(batch)):
+                self.blocks.hold(seq, n)
+                seq.status = Status.RUNNING
+                self.running.append(self.waiting.popleft())
+                batch.append((seq, n))
         return batch
+
+    def admissions(self, budget: int, free_blocks: int, running: int, beside_tokens: bool) -> ScheduledBatch:
+        """The waiting sequences a step admits, in order, each with its first chunk's tokens, given the
+        budget and free KV blocks that the running sequences' tokens leave, how many run, and whether
+        the step carries their tokens. schedule() admits exactly these; the engine asks ahead of it
+        (async scheduling). A sequence is admitted only if its whole prompt can have blocks now."""
+        cap = self.max_new_seqs_per_step if beside_tokens and self.max_new_seqs_per_step else len(self.waiting)
+        admitted: ScheduledBatch = []
+        for seq in self.waiting:
+            if budget <= 0 or running + len(admitted) >= self.max_num_seqs or len(admitted) >= cap:
+                break
+            if self.blocks.blocks_needed(len(seq)) - len(seq.block_table) > free_blocks:
+                break
+            n = min(len(seq), budget)
+            free_blocks -= max(0, self.blocks.blocks_needed(n) - len(seq.block_table))
+            admitted.append((seq, n))
+            budget -= n
+        return admitted
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

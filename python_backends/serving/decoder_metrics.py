@@ -13,11 +13,15 @@ COUNTERS = {
     "engine_steps_pipelined": ("zipmoe_engine_steps_pipelined_total",
                                "Decode steps launched before the previous step's tokens were read back (async_scheduling)"),
     # Steps with prompt tokens by how they ran (engine/runner.py), each from its inputs to its tokens on the host.
+    "prompt_steps_pipelined": ("zipmoe_prompt_steps_pipelined_total",
+                               "Steps with prompt tokens run as rows of a decode step's CUDA graph, launched "
+                               "behind the step in flight (async_scheduling)"),
     "prompt_steps_decode_graph": ("zipmoe_prompt_steps_decode_graph_total",
                                   "Steps with prompt tokens run as rows of a decode step's CUDA graph"),
     "prompt_steps_piecewise": ("zipmoe_prompt_steps_piecewise_total",
                                "Steps with prompt tokens run as piecewise CUDA graphs around an eager attention"),
     "prompt_steps_eager": ("zipmoe_prompt_steps_eager_total", "Steps with prompt tokens run eagerly"),
+    "prompt_step_us_pipelined": ("zipmoe_prompt_step_pipelined_microseconds_total", "Time of those steps, summed"),
     "prompt_step_us_decode_graph": ("zipmoe_prompt_step_decode_graph_microseconds_total", "Time of those steps, summed"),
     "prompt_step_us_piecewise": ("zipmoe_prompt_step_piecewise_microseconds_total", "Time of those steps, summed"),
     "prompt_step_us_eager": ("zipmoe_prompt_step_eager_microseconds_total", "Time of those steps, summed"),
