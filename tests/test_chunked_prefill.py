@@ -34,11 +34,13 @@ def request_with_images(tiny_checkpoint):
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def engine(checkpoint, budget: int, device: str = "cpu", max_num_seqs: int = 4, prompt_graph_rows: int = 0) -> LLMEngine:
+def engine(checkpoint, budget: int, device: str = "cpu", max_num_seqs: int = 4, prompt_graph_rows: int = 0,
+           **cfg) -> LLMEngine:
     """float32 on either device: chunks take other attention kernels than one shot, bf16 would blur them."""
     return LLMEngine(checkpoint, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
                                               max_model_len=256, max_num_seqs=max_num_seqs,
-                                              max_num_batched_tokens=budget, prompt_graph_rows=prompt_graph_rows))
+                                              max_num_batched_tokens=budget, prompt_graph_rows=prompt_graph_rows,
+                                              **cfg))
 
 
 def prefill_logits(eng: LLMEngine, ids, visual) -> tuple[torch.Tensor, int]:
@@ -291,7 +293,9 @@ def test_prompts_above_the_decode_buckets_ride_graphs_of_their_own(tiny_checkpoi
     prompts = [list(range(40, 53)), [7, 8, 9], list(range(60, 69))]
 
     def run(rows: int):
-        eng = engine(tiny_checkpoint, 32, "cuda", max_num_seqs=4, prompt_graph_rows=rows)
+        # Steps one at a time, admissions uncapped: the three arrive in one step that runner.run takes.
+        eng = engine(tiny_checkpoint, 32, "cuda", max_num_seqs=4, prompt_graph_rows=rows, async_scheduling=False,
+                     max_new_seqs_per_step=0)
         runner, compared, run_step = eng.runner, [], eng.runner.run
 
         def both(batch):

@@ -1,13 +1,16 @@
 """The engine: validated requests in; each step, the next token of every sequence whose prompt is in the cache.
 
-With `async_scheduling` a run of pure decode steps is pipelined, as vLLM V1's
+With `async_scheduling` a run of decode steps is pipelined, as vLLM V1's
 async scheduling and SGLang's overlap scheduler do it: step N+1 is scheduled and launched, its input
 tokens taken from step N's result on the device, before step N's tokens are read back. So the host's
 work between two steps (scheduling, the step's tensors, the caller's handling of the tokens) runs
 while the GPU computes, and `step()` returns each step's tokens one call later. A sequence that ends
-at step N (EOS, a stop string, a cancel) has already been given step N+1: that token is dropped. A step
-that admits a request, carries a prompt chunk, needs a block it would have to preempt for, or would
-go past a sequence's limits waits for the step before it, so those run as without it. Tokens are
+at step N (EOS, a stop string, a cancel) has already been given step N+1: that token is dropped; one
+whose last token (max_tokens) is in step N is left out of step N+1. Step N+1 may also admit whole
+short text prompts that ride a decode graph after the decode rows (runner.prompt_rows): a stream's
+next question then costs the running streams one larger replay, not a replay the host waited for. A
+step that admits an image or a long prompt, carries a prompt chunk, needs a block it would have to
+preempt for, or would fill a context waits for the step before it, so those run as without it. Tokens are
 sampled on the device (sampler.py), greedy or from each request's own generator, so a sampled
 request draws the same tokens either way.
 """
@@ -287,9 +290,11 @@ class LLMEngine:
         """Launches the next step where it can follow the one in flight (its decode tokens, maybe short
         prompts admitted beside them), then reads that one back."""
         prev, self._inflight = self._inflight, None
-        index = [i for i, seq in enumerate(prev.seqs) if not seq.finished]
+        index = [i for i, seq in enumerate(prev.seqs)  # not those whose last token is in flight
+                 if not seq.finished and len(seq.output_ids) + seq.pending < seq.params.max_tokens]
         live = [prev.seqs[i] for i in index]
-        admitted = self._follow_admissions(live)
+        ending = sum(not seq.finished for seq in prev.seqs) - len(live)
+        admitted = self._follow_admissions(live, ending)
         if admitted is not None:
             try:
                 batch = self.scheduler.schedule()
@@ -326,19 +331,19 @@ class LLMEngine:
                 results.append((seq, token))
         return self._commit(results)
 
-    def _follow_admissions(self, live: list[Sequence]) -> ScheduledBatch | None:
+    def _follow_admissions(self, live: list[Sequence], ending: int) -> ScheduledBatch | None:
         """What the next step admits beside `live`'s decode tokens where that step can be launched
-        behind the one in flight: [] none; whole text prompts that ride a decode graph with the decode
-        rows (runner.rides_decode_graph). None where it cannot follow: someone is mid-prompt or would
-        be preempted, a token is not wanted or does not fit, or an admission needs the step's inputs
-        on the host (an image prompt, a chunk of a longer one, a step too large for a decode graph)."""
+        behind the one in flight (`ending` others run, their last token in flight): [] none; whole text
+        prompts that ride a decode graph with the decode rows (runner.rides_decode_graph). None where it
+        cannot follow: someone is mid-prompt or would be preempted, a context is full, or an admission
+        needs the step's inputs on the host (an image prompt, a chunk of a longer one, a step too large
+        for a decode graph)."""
         sched = self.scheduler
-        if not self._pipelined or not live or len(sched.running) != len(live):
+        if not self._pipelined or not live or len(sched.running) != len(live) + ending:
             return None
         bs, new_blocks = self.blocks.block_size, 0
         for seq in live:
-            produced = len(seq.output_ids) + seq.pending
-            if produced >= seq.params.max_tokens or len(seq) >= self.config.max_model_len:
+            if len(seq) >= self.config.max_model_len:
                 return None
             new_blocks += seq.num_cached >= len(seq.block_table) * bs
         free = self.blocks.num_free - new_blocks

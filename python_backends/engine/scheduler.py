@@ -56,6 +56,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this pass
                 continue
+            if seq.pending and len(seq.output_ids) + seq.pending >= seq.params.max_tokens:
+                continue  # its last token is in flight (async scheduling): it ends when that is read back
             n = min(len(seq) - seq.num_cached, budget)
             if n == 1 and seq.num_cached < len(seq.block_table) * block_size:  # a decode token, its block held
                 batch.append((seq, 1))
