@@ -195,3 +195,19 @@ def test_short_prompts_are_admitted_behind_the_step_in_flight(tiny_checkpoint):
     assert piped == plain
     assert plain_steps["pipelined"][0] == 0 and piped_steps["pipelined"][0] == 1  # "late", beside the others
     assert piped_steps["decode_graph"][0] == plain_steps["decode_graph"][0] - 1
+
+
+def test_a_sequence_ending_in_flight_does_not_stop_the_pipeline(tiny_checkpoint):
+    """Two requests, 3 and 10 tokens: the step after the one carrying the short one's last token is
+    still launched behind it, without that sequence; ten steps, tokens 3..10 launched behind the
+    step before (the prefill and the first decode step are not)."""
+    def run(pipelined):
+        eng = engine(tiny_checkpoint, pipelined)
+        seqs = [eng.add_request(PROMPTS[n], SamplingParams(max_tokens=m, ignore_eos=True))
+                for n, m in (("short", 3), ("long", 10))]
+        while eng.has_work:
+            eng.step()
+        return [s.output_ids for s in seqs], (eng.steps_run, eng.steps_pipelined)
+
+    (plain, _), (piped, counts) = run(False), run(True)
+    assert piped == plain and counts == (10, 8)

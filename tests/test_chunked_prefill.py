@@ -293,9 +293,8 @@ def test_prompts_above_the_decode_buckets_ride_graphs_of_their_own(tiny_checkpoi
     prompts = [list(range(40, 53)), [7, 8, 9], list(range(60, 69))]
 
     def run(rows: int):
-        # Steps one at a time, admissions uncapped: the three arrive in one step that runner.run takes.
-        eng = engine(tiny_checkpoint, 32, "cuda", max_num_seqs=4, prompt_graph_rows=rows, async_scheduling=False,
-                     max_new_seqs_per_step=0)
+        # Steps one at a time: the three are admitted in a step that runner.run takes.
+        eng = engine(tiny_checkpoint, 32, "cuda", max_num_seqs=4, prompt_graph_rows=rows, async_scheduling=False)
         runner, compared, run_step = eng.runner, [], eng.runner.run
 
         def both(batch):

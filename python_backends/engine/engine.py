@@ -54,7 +54,7 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "sequences in one decode step", min=1)
     max_num_batched_tokens: int = setting(8192, "tokens in one step: every running sequence's next token, then "
                                                 "prompt chunks (chunked prefill)", min=1)
-    max_new_seqs_per_step: int = setting(1, "waiting sequences admitted into a step that also carries running "
+    max_new_seqs_per_step: int = setting(0, "waiting sequences admitted into a step that also carries running "
                                             "sequences' tokens (scheduler.py); 0: as many as the budget allows",
                                          min=0)
     max_model_len: int = setting(4096, "context length: prompt + generated tokens", min=2)
@@ -74,8 +74,8 @@ class EngineConfig:
     prompt_graph_rows: int = setting(512, "on CUDA with cuda_graphs, decode graphs of up to this many rows are also "
                                           "captured above max_num_seqs for steps of short text prompts, each prompt "
                                           "token a row (engine/runner.py); max_num_seqs or less: none above it", min=0)
-    async_scheduling: bool = setting(True, "pipeline pure decode steps: the next step is "
-                                            "launched before this one's tokens are read back (engine.py)")
+    async_scheduling: bool = setting(True, "pipeline decode steps (short text prompts admitted into them too): the "
+                                            "next step is launched before this one's tokens are read back (engine.py)")
     expert_parallel_size: int = setting(1, "processes (GPUs: this instance's and the next N-1) that split every MoE "
                                            "layer's experts; attention and the KV cache are replicated "
                                            "(engine/parallel_engine.py)", min=1)

@@ -11,11 +11,11 @@ tokens come before prefill chunks. KV blocks are taken as the tokens are schedul
 sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it is recomputed (prompt + tokens so far) when re-admitted.
 
-Why cap admissions beside running sequences: every running stream waits for the whole step, and a
-step's cost at MoE scale grows with its rows (more tokens pick more of the experts, all of whose
-weights are read). Short prompts arriving together (streams that finish together and ask again)
-would make one long step that every stream sees as one long gap; one or two per step keep each
-such step near a decode step, and the streams' restarts drift apart instead of coinciding again.
+Why a cap on admissions beside running sequences (off by default): every running stream waits for
+the whole step, and a step's cost at MoE scale grows with its rows (more tokens pick more of the
+experts, all of whose weights are read). Short prompts arriving together (streams that finish
+together and ask again) make one long step that every stream sees as one long gap; a cap spreads
+them over steps, for more steps that carry a prompt (docs/PERFORMANCE.md, session 25).
 """
 from __future__ import annotations
 
