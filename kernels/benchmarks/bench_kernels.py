@@ -76,6 +76,8 @@ def row(bench: str, impl: str, batch: int, time_us: float, bytes_read: int, poli
 
 
 def bench_sere() -> list[dict]:
+    from .bench_moe import random_layers, skewed_routing  # here: bench_moe imports this module
+
     g = torch.Generator(device="cuda").manual_seed(0)
     E = CFG.num_experts
     _, gate, direction = random_layers(0)
