@@ -11,7 +11,7 @@ COUNTERS = {
     "preemptions": ("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks"),
     "engine_steps": ("zipmoe_engine_steps_total", "Engine steps run: decode, prompt chunks or both"),
     "engine_steps_pipelined": ("zipmoe_engine_steps_pipelined_total",
-                               "Decode steps launched before the previous step's tokens were read back (async_scheduling)"),
+                               "Steps launched before the previous step's tokens were read back (async_scheduling)"),
     # Steps with prompt tokens by how they ran (engine/runner.py), each from its inputs to its tokens on the host.
     "prompt_steps_pipelined": ("zipmoe_prompt_steps_pipelined_total",
                                "Steps with prompt tokens run as rows of a decode step's CUDA graph, launched "
