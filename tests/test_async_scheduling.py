@@ -211,3 +211,22 @@ def test_a_sequence_ending_in_flight_does_not_stop_the_pipeline(tiny_checkpoint)
 
     (plain, _), (piped, counts) = run(False), run(True)
     assert piped == plain and counts == (10, 8)
+
+
+def test_a_seat_held_by_a_sequence_ending_in_flight_is_not_given_away_early(tiny_checkpoint):
+    """max_num_seqs 2: a request that arrives while one of the two running sequences has its last
+    token in flight waits for that token to be read back (the scheduler counts it as running), as
+    one step at a time; the engine plans the step behind the one in flight the same way."""
+    def run(pipelined):
+        eng = engine(tiny_checkpoint, pipelined, max_num_seqs=2)
+        eng.runner.rides_decode_graph = lambda batch: True
+        short, long = (eng.add_request(PROMPTS[n], SamplingParams(max_tokens=m, ignore_eos=True))
+                       for n, m in (("short", 3), ("long", 12)))
+        while len(short.output_ids) < 2:
+            eng.step()
+        late = eng.add_request(PROMPTS["late"], SamplingParams(max_tokens=4, ignore_eos=True))
+        while eng.has_work:
+            eng.step()
+        return [s.output_ids for s in (short, long, late)]
+
+    assert run(True) == run(False)

@@ -349,7 +349,7 @@ class LLMEngine:
         free = self.blocks.num_free - new_blocks
         if free < 0:
             return None
-        admitted = sched.admissions(sched.max_num_batched_tokens - len(live), free, len(live), True)
+        admitted = sched.admissions(sched.max_num_batched_tokens - len(live), free, len(sched.running), True)
         if not admitted:
             return []
         whole_text = all(seq.visual is None and n == len(seq) for seq, n in admitted)
