@@ -1,8 +1,10 @@
-"""Async scheduling (EngineConfig.async_scheduling): pure decode steps pipelined (sampled ones too),
-the next launched before this one's tokens are read back. The caller sees the same tokens and
-endings as without it, however requests arrive, stop, are cancelled or get preempted; on CUDA with
-CUDA graphs as well (gpu)."""
+"""Async scheduling (EngineConfig.async_scheduling): decode steps pipelined (sampled ones too, and
+short prompts admitted into them), the next launched before this one's tokens are read back. The
+caller sees the same tokens and endings as without it, however requests arrive, stop, are cancelled
+or get preempted (also over random traffic); on CUDA with CUDA graphs as well (gpu)."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -228,5 +230,56 @@ def test_a_seat_held_by_a_sequence_ending_in_flight_is_not_given_away_early(tiny
         while eng.has_work:
             eng.step()
         return [s.output_ids for s in (short, long, late)]
+
+    assert run(True) == run(False)
+
+
+def random_traffic(rng: random.Random) -> tuple[dict, list, int]:
+    """An engine config (tight KV cache, small budgets, an admissions cap or none), requests (prompt,
+    params, the tokens the caller has seen when it arrives, a cancel or a stop after so many tokens)
+    and the most rows a step may have to ride a decode graph."""
+    bs, ctx = rng.choice([1, 2, 4, 16]), rng.choice([24, 64, 128])
+    seats = rng.randint(2, 5)
+    cfg = dict(block_size=bs, max_model_len=ctx, max_num_seqs=seats,
+               num_kv_blocks=rng.randint(-(-ctx // bs), ctx // bs + 6),
+               max_num_batched_tokens=max(seats, rng.choice([16, 32, 64, 512])),
+               max_new_seqs_per_step=rng.choice([0, 0, 1, 2]))
+    requests = []
+    for i in range(rng.randint(2, 10)):
+        params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.5,
+                                **(dict(temperature=0.8, seed=i) if rng.random() < 0.3 else {}))
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(2, 20))]
+        requests.append((prompt, params, 0 if i < 2 else rng.randint(0, 30), rng.choice([None, None, rng.randint(1, 10)]),
+                         rng.choice([None, None, rng.randint(1, 10)])))
+    return cfg, requests, rng.choice([0, 16, 64, 10**6])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_gives_the_same_tokens_either_way(tiny_checkpoint, seed):
+    """Arrivals, cancels, stop strings, EOS, sampling, preemption, chunked prompts, the admissions
+    cap and prompts admitted behind the step in flight (any step of up to `rides` rows rides a decode
+    graph): the caller sees the same tokens and endings with async scheduling as without it."""
+    rng = random.Random(seed)
+    cfg, requests, rides = random_traffic(rng)
+    eos = {rng.randrange(0, 200)} if rng.random() < 0.5 else set()
+
+    def run(pipelined):
+        eng = engine(tiny_checkpoint, pipelined, **cfg)
+        eng.runner.rides_decode_graph = lambda batch: sum(n for _, n in batch) <= rides
+        eng.eos, seqs, who, seen = eos, {}, {}, 0
+        while eng.has_work or len(seqs) < len(requests):
+            for i, (prompt, params, at, _, _) in enumerate(requests):
+                if i not in seqs and (at <= seen or not eng.has_work):
+                    seqs[i] = eng.add_request(prompt, params)
+                    who[id(seqs[i])] = i
+            for seq, _ in eng.step():
+                seen += 1
+                _, _, _, cancel, stop = requests[who[id(seq)]]
+                if not seq.finished and cancel == len(seq.output_ids):
+                    eng.abort(seq)
+                elif not seq.finished and stop == len(seq.output_ids):
+                    eng.finish_stopped(seq)
+        assert eng.blocks.num_free == eng.blocks.num_blocks and all(s.pending == 0 for s in seqs.values())
+        return {i: (s.output_ids, s.finish_reason.value) for i, s in seqs.items()}
 
     assert run(True) == run(False)

@@ -325,3 +325,40 @@ def test_prompts_above_the_decode_buckets_ride_graphs_of_their_own(tiny_checkpoi
     for got, want in compared:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert riding == plain
+
+
+def test_decode_graphs_read_the_sampled_rows_through_the_device_buffer():
+    """DecodeGraphs.run without CUDA (its replays stubbed): the rows that sample reach the logit-row
+    buffer by a queued copy, every entry written (unused ones name row 0), and are read from the
+    bucket's logits through it in a decode bucket; a prompt-row bucket's graph gathers them itself."""
+    from zipmoe.engine.cuda_graphs import DecodeGraphs
+    from zipmoe.engine.model import StepOutput
+
+    g = DecodeGraphs.__new__(DecodeGraphs)
+    g.buckets, g.max_batch, g.scratch_slot, n = [1, 2, 4, 8], 4, 99, 8
+    g.input_ids, g.slots = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    g.positions = torch.zeros(3, n, dtype=torch.long)
+    g.block_tables, g.context_lens = torch.zeros(n, 2, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    g.opt_out, g.logit_rows = torch.zeros(n, dtype=torch.bool), torch.full((4,), 7, dtype=torch.long)
+    every_row = torch.arange(n * 3, dtype=torch.float).view(n, 3)  # what a bucket's forward computes
+    g.outputs = {b: StepOutput(torch.zeros(b if b <= 4 else 4, 3), []) for b in g.buckets}
+
+    def replay(b):
+        if b <= g.max_batch:
+            g.outputs[b].logits.copy_(every_row[:b])
+        else:  # the prompt-row graph: logits of the rows the buffer names
+            g.outputs[b].logits.copy_(every_row[g.logit_rows])
+
+    g.graphs = {b: SimpleNamespace(replay=lambda b=b: replay(b)) for b in g.buckets}
+
+    def run(B, rows):
+        host = dict(input_ids=torch.arange(B), positions=torch.zeros(3, B, dtype=torch.long),
+                    slots=torch.arange(B), block_tables=torch.zeros(B, 2, dtype=torch.int32),
+                    context_lens=torch.ones(B, dtype=torch.int32), opt_out=torch.ones(B, dtype=torch.bool))
+        return g.run(**host, logit_rows=rows).logits
+
+    assert torch.equal(run(7, [2, 6]), every_row[[2, 6]])  # the 8-row prompt-row bucket
+    assert g.logit_rows.tolist() == [2, 6, 0, 0]
+    assert torch.equal(run(3, [2]), every_row[[2]])  # a decode bucket, one row sampling
+    assert g.logit_rows.tolist() == [2, 0, 0, 0]
+    assert torch.equal(run(3, None), every_row[:3])

@@ -128,10 +128,12 @@ class DecodeGraphs:
         the B real ones); valid until the next run. Above max_batch rows logit_rows is required."""
         B = input_ids.shape[0]
         b = next(s for s in self.buckets if s >= B)
-        if b > self.max_batch:
-            if logit_rows is None or len(logit_rows) > self.max_batch:
-                raise ValueError(f"a step of {B} prompt rows samples at most {self.max_batch} rows, got {logit_rows}")
-            # Every entry is written: one left from a larger bucket's step could lie past this bucket's rows.
+        if b > self.max_batch and (logit_rows is None or len(logit_rows) > self.max_batch):
+            raise ValueError(f"a step of {B} prompt rows samples at most {self.max_batch} rows, got {logit_rows}")
+        if logit_rows is not None:
+            # A queued copy into the device buffer (a host index would wait for the steps in flight, the
+            # async-scheduling one included). Every entry is written: one left from a larger bucket's step
+            # could lie past this bucket's rows (a prompt-row bucket's graph reads them all).
             rows = torch.zeros(self.max_batch, dtype=torch.long)
             rows[:len(logit_rows)] = torch.tensor(logit_rows, dtype=torch.long)
             self.logit_rows.copy_(rows, non_blocking=True)
@@ -150,6 +152,8 @@ class DecodeGraphs:
         self.opt_out[:b].copy_(opt_out[pad], non_blocking=True)
         self.graphs[b].replay()
         out = self.outputs[b]
-        if b > self.max_batch:
+        if logit_rows is None:
+            return StepOutput(out.logits[:B], out.routing)
+        if b > self.max_batch:  # the graph gathered the rows itself
             return StepOutput(out.logits[:len(logit_rows)], out.routing)
-        return StepOutput(out.logits[:B] if logit_rows is None else out.logits[logit_rows], out.routing)
+        return StepOutput(out.logits.index_select(0, self.logit_rows[:len(logit_rows)]), out.routing)

@@ -184,7 +184,7 @@ class ModelRunner:
             first, last = image_span(seq, start, start + n)
             if last > first:  # an image token in the chunk
                 return False
-            if not is_decode(seq, n):
+            if not (is_decode(seq, n) or (n == 1 and seq.pending)):  # (its token in flight: a decode row too)
                 context += n * start + n * (n + 1) // 2
         return context <= self.prompt_row_context
 
