@@ -124,6 +124,33 @@ def test_pipelined_cuda_graph_steps_give_the_same_tokens(tiny_checkpoint):
     assert serve(engine(tiny_checkpoint, True, device="cuda", dtype="float32")) == plain
 
 
+@pytest.mark.gpu
+def test_a_launch_behind_the_step_in_flight_never_waits_for_the_gpu(tiny_checkpoint):
+    """Every launch behind the step in flight, a short prompt admitted into it included, runs under
+    torch's sync debug mode "error": any host sync (a blocking copy, a read-back) in it raises."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = engine(tiny_checkpoint, True, device="cuda", dtype="float32")
+    launched, launch = [], eng.runner.launch
+
+    def strict(batch, input_ids):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(batch, input_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launched.append(input_ids is not None and len(batch) > input_ids.shape[0])
+
+    eng.runner.launch = strict
+    stream = eng.add_request(PROMPTS["long"], SamplingParams(max_tokens=20, ignore_eos=True))
+    while len(stream.output_ids) < 3:
+        eng.step()
+    eng.add_request(PROMPTS["short"], SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_work:
+        eng.step()
+    assert any(launched)  # the short prompt went in behind the step in flight
+
+
 def count_follow_ups(eng: LLMEngine) -> list[bool]:
     """Records, for each decode step launched on the step before's tokens, whether a request was waiting."""
     seen, launch = [], eng.runner.launch
