@@ -151,6 +151,23 @@ def test_a_launch_behind_the_step_in_flight_never_waits_for_the_gpu(tiny_checkpo
     assert any(launched)  # the short prompt went in behind the step in flight
 
 
+def test_routing_sums_read_without_waiting_are_exact_for_every_token_read(tiny_checkpoint):
+    """snapshot(wait=False) between pipelined steps: the sums that came back with the tokens read,
+    growing while steps are in flight, never shrinking, and all of them once every step is read."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    eng = engine(tiny_checkpoint, True, device="cuda", dtype="float32")
+    for name in ("long", "short", "late"):
+        eng.add_request(PROMPTS[name], SamplingParams(max_tokens=12, ignore_eos=True))
+    stats, seen = eng.routing_stats, []
+    while eng.has_work:
+        read = eng.step()
+        seen.append((bool(read) and eng.step_in_flight, stats.snapshot(wait=False)))
+    assert all(now[k] >= before[k] for (_, before), (_, now) in zip(seen, seen[1:]) for k in now)
+    assert any(behind and now["layer_steps"] for behind, now in seen)  # came back while a step was in flight
+    assert seen[-1][1] == stats.snapshot()  # every step read: exact
+
+
 def count_follow_ups(eng: LLMEngine) -> list[bool]:
     """Records, for each decode step launched on the step before's tokens, whether a request was waiting."""
     seen, launch = [], eng.runner.launch

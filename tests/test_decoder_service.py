@@ -308,3 +308,28 @@ def test_periodic_publishes_follow_the_tokens_and_the_last_one_precedes_the_end(
     ends = [n for n, completed in seen if completed == 1]
     assert ends[0] == 4  # published before the last response was handed over
     assert {1, 2, 3, 4} <= {n for n, completed in seen if completed == 0}  # each after its step's token
+
+
+def test_a_request_that_ends_holds_back_no_other_requests_token(tiny_checkpoint, monkeypatch):
+    """In the step where one request ends, the tokens of those going on are handed over before the
+    end is counted and published (a publish is IPC, and a read of the routing sums used to wait for
+    the step in flight); the ending request's last response still follows the publish."""
+    from zipmoe.serving import decoder
+    monkeypatch.setattr(decoder, "METRICS_PERIOD_S", 3600.0)  # only a request's end publishes
+    svc = make_service(tiny_checkpoint)
+    short, long_ = Sink(), Sink()
+    events = []  # ("send", sink, final) and ("publish", requests completed), in order
+    send = svc._send
+    svc._send = lambda p, response, final: events.append(("send", p.sink, final)) or send(p, response, final)
+    svc._publish = lambda stats: events.append(("publish", stats["requests_completed"]))
+    try:
+        svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 12, "ignore_eos": True}), long_)
+        while not long_.responses:
+            time.sleep(0.01)
+        svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 3, "ignore_eos": True}), short)
+        assert short.done.wait(60) and long_.done.wait(60)
+    finally:
+        svc.shutdown()
+    end = events.index(("publish", 1))
+    assert events[end - 1] == ("send", long_, False)  # the other stream's token of that step went first
+    assert events[end + 1] == ("send", short, True)  # the ending request's last response after the publish

@@ -101,6 +101,7 @@ class InFlight:
     host: torch.Tensor  # [B] their copy on the host, queued after the step
     copied: torch.cuda.Event | None = field(default=None)  # recorded after that copy (CUDA)
     prompts_from: float | None = None  # the step admitted prompts: perf_counter() when it was launched
+    routing: torch.Tensor | None = None  # the routing sums as of this step, copied to the host with its tokens
 
 
 class RequestError(ValueError):
@@ -240,6 +241,11 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is launched and its tokens not yet read back (async scheduling)."""
+        return self._inflight is not None
+
     def abort(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, FinishReason.CANCELLED)
 
@@ -280,9 +286,10 @@ class LLMEngine:
         prompts_from = started if admits else None
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            routing = self.routing_stats.queue_copy()
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(tokens.device))
-            self._inflight = InFlight(seqs, tokens, host, copied, prompts_from)
+            self._inflight = InFlight(seqs, tokens, host, copied, prompts_from, routing)
         else:
             self._inflight = InFlight(seqs, tokens, tokens, None, prompts_from)
 
@@ -320,6 +327,7 @@ class LLMEngine:
         if prev.copied is not None:
             prev.copied.synchronize()
         tokens = prev.host.tolist()
+        self.routing_stats.landed(prev.routing)
         if prev.prompts_from is not None:  # a step that admitted prompts: from its inputs to its tokens here
             record = self.runner.prompt_steps["pipelined"]
             record[0] += 1

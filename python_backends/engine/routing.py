@@ -26,17 +26,16 @@ class RoutingStats:
     """Sums over decode layer-steps; their ratios are the mean union before/after re-routing.
 
     Accumulated on the routing's device with a few ops per step (not per layer), so counting never
-    waits for the GPU. `snapshot()` reads them back with one sync; `snapshot(wait=False)` never
-    waits: it returns the sums as of the last copy to the host that has landed, and queues the next.
-    A periodic publish between two pipelined steps must not wait: the step in flight would finish
-    before the tokens of the step before it went out (engine.py, async scheduling).
+    waits for the GPU. `snapshot()` reads them back with one sync. A step launched behind another
+    (engine.py, async scheduling) queues a copy of the sums beside its tokens (`queue_copy`), and its
+    read-back hands it over (`landed`): `snapshot(wait=False)` returns those, exact as of the last
+    step whose tokens were read, without waiting for the step in flight (whose tokens a sync would
+    hold back, with the other streams' tokens of the step before).
     """
     FIELDS = ("layer_steps", "union_before", "union_after", "rerouted_slots")
 
     def __init__(self):
         self._sums: torch.Tensor | None = None
-        self._host: torch.Tensor | None = None  # pinned: the copy of _sums queued last
-        self._copied: torch.cuda.Event | None = None  # recorded after that copy
         self._read = [0] * len(self.FIELDS)  # the sums as last read on the host
 
     def add_step(self, routed: list[tuple[torch.Tensor, torch.Tensor]], rows: int, num_experts: int) -> None:
@@ -54,21 +53,24 @@ class RoutingStats:
         step = torch.stack([torch.full_like(union_before, len(routed)), union_before, union_after, moved])
         if self._sums is None:
             self._sums = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=step.device)
-            if self._sums.is_cuda:  # where snapshot(wait=False) copies them to
-                self._host = torch.empty_like(self._sums, device="cpu", pin_memory=True)
         self._sums += step
 
+    def queue_copy(self) -> torch.Tensor | None:
+        """A pinned host copy of the sums, queued on the current stream (None: nothing to copy, or on the
+        host already); hand it to `landed` once the stream has passed it."""
+        if self._sums is None or not self._sums.is_cuda:
+            return None
+        return torch.empty_like(self._sums, device="cpu", pin_memory=True).copy_(self._sums, non_blocking=True)
+
+    def landed(self, host: torch.Tensor | None) -> None:
+        """host: a `queue_copy()` whose copy has landed. The sums only grow, so an older read never wins."""
+        if host is not None:
+            self._read = [max(a, b) for a, b in zip(self._read, host.tolist())]
+
     def snapshot(self, wait: bool = True) -> dict[str, int]:
-        if self._sums is None:
-            return dict(zip(self.FIELDS, self._read))
-        if wait or not self._sums.is_cuda:
+        """The sums: read now (wait; a sync with the GPU), or as last landed (wait False)."""
+        if self._sums is not None and (wait or not self._sums.is_cuda):
             self._read = self._sums.tolist()
-        elif self._copied is None or self._copied.query():  # the last copy landed (or none was queued)
-            if self._copied is not None:
-                self._read = self._host.tolist()
-            self._host.copy_(self._sums, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
         return dict(zip(self.FIELDS, self._read))
 
 

@@ -152,7 +152,8 @@ class DecoderService:
 
     def stats(self, wait: bool = True) -> dict[str, float]:
         """Counters (only grow) and gauges of the service, the engine's KV cache, its routing and the load.
-        wait False: the routing sums as of the GPU's last landed copy (`RoutingStats.snapshot`)."""
+        wait False: the routing sums as of the last step whose tokens were read back, so exact for every
+        token sent without waiting for a step in flight (`RoutingStats.snapshot`)."""
         sched, control = self.engine.scheduler, self._controller
         return {**self.counts, "preemptions": sched.num_preemptions,
                 "engine_steps": self.engine.steps_run, "engine_steps_pipelined": self.engine.steps_pipelined,
@@ -230,16 +231,18 @@ class DecoderService:
             reply = None if p is None else self._reply(p, token)
             if reply is not None:
                 replies.append(reply)
-        # A request ends: publish once, exactly, before the last responses go out (a client that has its
-        # last response finds its work in the metrics). Else the periodic publish comes after the tokens and
-        # never waits for the GPU: they would wait for the step in flight (a gap of two steps).
-        ending = any(final for _, _, final in replies)
-        if ending:
-            self._maybe_publish(force=True)
+        # The tokens of requests going on leave first: nothing below may hold them back. Then a request
+        # that ends is counted and published, once, exactly, before its last response goes out (a client
+        # that has its last response finds its work in the metrics); else the periodic publish follows.
+        ends = [(p, response) for p, response, final in replies if final]
         for p, response, final in replies:
-            self._send(p, response, final)
-        if not ending:
-            self._maybe_publish(force=False)
+            if not final:
+                self._send(p, response, False)
+        for p, _ in ends:
+            self._record(p)
+        self._maybe_publish(force=bool(ends))
+        for p, response in ends:
+            self._send(p, response, True)
 
     def _wait_for_turn(self, working: bool = False) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
@@ -263,8 +266,8 @@ class DecoderService:
         if self._publish is None or (not force and self.engine.has_work and now - self._published_at < METRICS_PERIOD_S):
             return
         self._published_at = now
-        try:
-            self._publish(self.stats(wait=force))
+        try:  # exact without waiting: the routing sums came back with the last tokens read (engine.py)
+            self._publish(self.stats(wait=not self.engine.step_in_flight))
         except Exception as e:  # the metrics must never cost a client its answer
             self._log_error(f"moe_decoder metrics: {e!r}")
 
@@ -372,8 +375,7 @@ class DecoderService:
                                   len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept,
                                   p.keep_ratio)
         if seq.finished:
-            self._forget(p)
-            self._record(p)
+            self._forget(p)  # counted by the caller, after the other requests' tokens have left
         return p, response, seq.finished
 
     def _record(self, p: Pending):
