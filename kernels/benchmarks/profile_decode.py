@@ -17,6 +17,7 @@ arrive): as the engine runs it (short prompts' tokens as rows of a decode graph,
 a longer one as piecewise CUDA graphs, engine/prefill_graphs.py), as piecewise graphs, and eagerly:
 wall times, the eager step's sum of kernel times and launch count, and the plain decode step's wall
 time beside them.
+--policies topk,sere profiles each routing policy's steps (bench_kernels' SERE: K'=2, rho 0).
 Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ from zipmoe.engine.sequence import SamplingParams
 
 from zipmoe.kernels import dependent_launch
 
-from .bench_kernels import CFG, build_engine
+from zipmoe.engine.routing import RoutingPolicy
+
+from .bench_kernels import CFG, build_engine, random_sere
 from .timing import copy_gbps, cuda_time_us, wall_ms
 
 REPLAYS = 10
@@ -128,7 +131,7 @@ def profile_mixed(engine, batch: int, prompt: int = 512, prompts: int = 1, conte
 
 
 def print_step(step: dict, top: int = 15) -> None:
-    print(f"\nbatch {step['batch']} (graph bucket {step['bucket']}): replay {step['replay_us']:.0f} us, kernels "
+    print(f"\n{step['policy']}, batch {step['batch']} (graph bucket {step['bucket']}): replay {step['replay_us']:.0f} us, kernels "
           f"{step['kernel_us']:.0f} us, gaps {step['gap_us']:.0f} us, {step['launches_per_step']:.0f} launches "
           f"= {step['launches_per_layer']:.1f} per layer", flush=True)
     for r in step["kernels"][:top]:
@@ -147,7 +150,7 @@ def plot(result: dict, out: Path, top: int = 10) -> None:
         rows = step["kernels"][:top][::-1]
         ax.barh([r["kernel"][:40] for r in rows], [r["us_per_step"] for r in rows])
         ax.set(xlabel="us per decode step",
-               title=f"batch {step['batch']}: replay {step['replay_us']:.0f} us, "
+               title=f"{step['policy']}, batch {step['batch']}: replay {step['replay_us']:.0f} us, "
                      f"{step['launches_per_layer']:.1f} launches/layer")
         ax.tick_params(axis="y", labelsize=7)
     fig.suptitle("one captured decode step, 48 layers, Qwen3-30B-A3B shape (dummy weights), H200")
@@ -165,6 +168,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/decode_profile_h200")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--policies", default="topk",
+                    help="routing of the profiled steps, each its own rows: topk, sere (bench_kernels' K'=2 rho 0)")
     ap.add_argument("--mixed", type=int, default=0, help="also time a prefill step beside this many decoding sequences")
     ap.add_argument("--mixed-prompts", default="512",
                     help="that step's new prompt lengths, one row each; KxL: K prompts of L tokens together")
@@ -174,10 +179,13 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": False, "steps": []}
     with dependent_launch.enabled_as(False):  # each kernel's own time (module docstring)
         engine = build_engine()
-        for batch in (int(b) for b in args.batches.split(",")):
-            result["steps"].append(profile_step(engine, batch))
-            print_step(result["steps"][-1])
-            out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        for policy in args.policies.split(","):
+            engine.set_routing_policy({"topk": RoutingPolicy, "sere": lambda: random_sere(engine.device)}[policy]())
+            for batch in (int(b) for b in args.batches.split(",")):
+                result["steps"].append({"policy": policy, **profile_step(engine, batch)})
+                print_step(result["steps"][-1])
+                out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        engine.set_routing_policy(RoutingPolicy())
         if args.mixed:
             result["mixed"] = [profile_mixed(engine, args.mixed, *prompt_spec(p)) for p in args.mixed_prompts.split(",")]
             for row in result["mixed"]:
