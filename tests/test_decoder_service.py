@@ -324,7 +324,8 @@ def test_a_request_that_ends_holds_back_no_other_requests_token(tiny_checkpoint,
     svc._publish = lambda stats: events.append(("publish", stats["requests_completed"]))
     try:
         svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 12, "ignore_eos": True}), long_)
-        while not long_.responses:
+        deadline = time.monotonic() + 60
+        while not long_.responses and time.monotonic() < deadline:
             time.sleep(0.01)
         svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 3, "ignore_eos": True}), short)
         assert short.done.wait(60) and long_.done.wait(60)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from zipmoe.models.io import SyncedMetric
+from zipmoe.models.io import Metrics, SyncedMetric
 from zipmoe.serving.errors import BadInput, ModelError, ServerBusy
 from zipmoe.serving.load import DEFAULT_PRIORITY, MAX_LEVEL
 from zipmoe.serving.pipeline import (METRICS, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
@@ -263,3 +263,36 @@ def test_a_counter_value_read_before_another_thread_s_larger_one_is_not_sent():
     for value in (2, 5, 3, 5, 7):
         counter.sync(value)
     assert sent == [2, 3, 2]
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    alive = 0
+
+    def __init__(self, name, description, kind):
+        FakeFamily.alive += 1
+
+    def __del__(self):
+        FakeFamily.alive -= 1
+
+    def Metric(self, labels, buckets=None):
+        return type("Metric", (), {"increment": lambda s, n: SENT.append(n), "set": lambda s, v: SENT.append(v),
+                                   "observe": lambda s, v: SENT.append(v), "family": self})()
+
+
+SENT = []
+
+
+def test_closing_the_metrics_drops_every_family_before_the_stub_exits():
+    """A model's finalize closes its metrics: no family outlives it (server 2.51's stub crashed
+    clearing one from its destructor), and a late publish from a thread still running sends nothing."""
+    pb = type("pb", (), {"MetricFamily": FakeFamily})
+    metrics = Metrics(pb, "m")
+    counter, gauge = metrics.counter("c", ""), metrics.gauge("g", "")
+    histogram, labelled = metrics.histogram("h", "", [1.0]), metrics.labelled_counters("l", "", "p", ["a", "b"])
+    counter.sync(3), gauge.sync(2), histogram.observe(0.5), labelled["a"].sync(1)
+    assert SENT == [3, 2, 0.5, 1] and FakeFamily.alive == 4
+    metrics.close()
+    assert FakeFamily.alive == 0  # the model still holds its metrics, but not their families
+    counter.sync(5), gauge.sync(4), histogram.observe(0.7), labelled["b"].sync(1)
+    assert SENT == [3, 2, 0.5, 1]

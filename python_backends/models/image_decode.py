@@ -227,3 +227,4 @@ class TritonPythonModel:
         # to interpreter exit, the GPU variant kept the model from unloading at server shutdown.
         self.header = self.image = None
         gc.collect()
+        self._metric_families.close()

@@ -6,6 +6,7 @@ rest of the package (and the unit tests) never need it.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import threading
 from pathlib import Path
@@ -100,7 +101,8 @@ def strings(pb_utils, request, name: str) -> list[bytes]:
 
 class SyncedMetric:
     """A Triton metric fed from a value the model keeps itself: `sync(value)` sends only a change
-    (each increment or set is a round trip to the server); counters get the growth, gauges the value."""
+    (each increment or set is a round trip to the server); counters get the growth, gauges the value.
+    After `release()` (the model's finalize) it sends nothing."""
 
     def __init__(self, metric, counter: bool):
         self.metric, self.counter, self.sent = metric, counter, 0
@@ -108,8 +110,8 @@ class SyncedMetric:
 
     def sync(self, value) -> None:
         with self._lock:
-            # Unchanged, or a counter's value read before another thread's larger one was sent.
-            if value == self.sent or (self.counter and value < self.sent):
+            # Released, unchanged, or a counter's value read before another thread's larger one was sent.
+            if self.metric is None or value == self.sent or (self.counter and value < self.sent):
                 return
             if self.counter:
                 self.metric.increment(value - self.sent)
@@ -117,25 +119,52 @@ class SyncedMetric:
                 self.metric.set(value)
             self.sent = value
 
+    def release(self) -> None:
+        with self._lock:
+            self.metric = None
+
+
+class ObservedHistogram:
+    """A Triton histogram: `observe(value)` is one round trip to the server; nothing after `release()`."""
+
+    def __init__(self, metric):
+        self.metric = metric
+        self._lock = threading.Lock()
+
+    def observe(self, value) -> None:
+        with self._lock:
+            if self.metric is not None:
+                self.metric.observe(value)
+
+    def release(self) -> None:
+        with self._lock:
+            self.metric = None
+
 
 class Metrics:
     """Custom metrics of one model, labelled with its name (and its instance, with several). Keeps every
-    MetricFamily alive: a Metric is only valid while its family lives."""
+    MetricFamily alive: a Metric is only valid while its family lives. `close()` in the model's
+    finalize: a family still alive when the stub process exits is cleared from the stub's destructor,
+    which segfaults in server 2.51 (triton-inference-server/server#8662), at every shutdown."""
 
     def __init__(self, pb_utils, model: str, labels: dict[str, str] | None = None):
         """labels: `instance_labels(args)`, added to every metric's."""
         self._pb = pb_utils
         self._labels = {"model": model, **(labels or {})}
-        self._families = []
+        self._families, self._metrics = [], []
 
     def _family(self, kind, name: str, description: str):
         family = self._pb.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
         return family
 
+    def _kept(self, metric):
+        self._metrics.append(metric)
+        return metric
+
     def _metric(self, kind, name: str, description: str) -> SyncedMetric:
         family = self._family(kind, name, description)
-        return SyncedMetric(family.Metric(labels=self._labels), kind == self._pb.MetricFamily.COUNTER)
+        return self._kept(SyncedMetric(family.Metric(labels=self._labels), kind == self._pb.MetricFamily.COUNTER))
 
     def counter(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.COUNTER, name, description)
@@ -144,16 +173,25 @@ class Metrics:
         """One counter family with a metric per value of `label` (besides `model`), each exported from
         the start at 0: value -> SyncedMetric."""
         family = self._family(self._pb.MetricFamily.COUNTER, name, description)
-        return {v: SyncedMetric(family.Metric(labels={**self._labels, label: str(v)}), True) for v in values}
+        return {v: self._kept(SyncedMetric(family.Metric(labels={**self._labels, label: str(v)}), True))
+                for v in values}
 
     def gauge(self, name: str, description: str) -> SyncedMetric:
         return self._metric(self._pb.MetricFamily.GAUGE, name, description)
 
-    def histogram(self, name: str, description: str, buckets):
-        """A histogram (Triton 2.51's Python backend has them); observe(value) on the returned metric
-        is one round trip to the server."""
+    def histogram(self, name: str, description: str, buckets) -> ObservedHistogram:
+        """A histogram (Triton 2.51's Python backend has them)."""
         family = self._family(self._pb.MetricFamily.HISTOGRAM, name, description)
-        return family.Metric(labels=self._labels, buckets=list(buckets))
+        return self._kept(ObservedHistogram(family.Metric(labels=self._labels, buckets=list(buckets))))
+
+    def close(self) -> None:
+        """Drops every metric and family now, while the stub can still clear them (the class docstring);
+        the model's own references then send nothing."""
+        for metric in self._metrics:
+            metric.release()
+        self._metrics.clear()
+        self._families.clear()
+        gc.collect()
 
 
 def as_triton(pb_utils, name: str, value):

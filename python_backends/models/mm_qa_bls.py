@@ -237,3 +237,4 @@ class TritonPythonModel:
     def finalize(self):
         self.pipeline.shutdown()
         self.bells.close()
+        self._metric_families.close()  # after the workers: a late publish then sends nothing

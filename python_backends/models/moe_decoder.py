@@ -158,3 +158,4 @@ class TritonPythonModel:
         self.service.shutdown()
         self.engine.close()
         self.level.close()
+        self._metric_families.close()  # after the engine thread: a late publish then sends nothing

@@ -148,3 +148,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.turn.close()
+        self._metric_families.close()
