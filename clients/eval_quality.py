@@ -39,6 +39,7 @@ from pathlib import Path
 from zipmoe import repository_config, serve
 from zipmoe.clients.checkpoint_paths import REPO, display_path, ensure_sere, resolve_checkpoint
 from zipmoe.clients.eval_quality_report import DEFAULT_BUDGET, plot, row_label
+from zipmoe.clients.server_breakdown import settled
 from zipmoe.clients.triton_client import counter_deltas, scrape_metrics
 
 DEFAULT_OUT = REPO / "docs" / "results" / "quality"
@@ -332,7 +333,8 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
                 for keep in keeps:
                     before = scrape_metrics(server.url_metrics)
                     answers, seconds = run_setting(server.url_grpc, items, keep, concurrency, max_tokens)
-                    effect = routing_effect(before, scrape_metrics(server.url_metrics))
+                    # Settled: the decoder counts a step that ran past a request's end once it is read back.
+                    effect = routing_effect(before, settled(lambda: scrape_metrics(server.url_metrics)))
                     row = ts.make_row(setting, keep, items, answers, seconds, effect)
                     tally.add(keep, items, answers, setting.budget)
                     rows.append(row)

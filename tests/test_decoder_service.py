@@ -318,19 +318,22 @@ def test_a_request_that_ends_holds_back_no_other_requests_token(tiny_checkpoint,
     monkeypatch.setattr(decoder, "METRICS_PERIOD_S", 3600.0)  # only a request's end publishes
     svc = make_service(tiny_checkpoint)
     short, long_ = Sink(), Sink()
-    events = []  # ("send", sink, final) and ("publish", requests completed), in order
-    send = svc._send
+    events, steps = [], []  # ("send", sink, final) and ("publish", requests completed); the step of each
+    send, emit = svc._send, svc._emit
     svc._send = lambda p, response, final: events.append(("send", p.sink, final)) or send(p, response, final)
     svc._publish = lambda stats: events.append(("publish", stats["requests_completed"]))
+    svc._emit = lambda results: steps.append(len(events)) or emit(results)
     try:
-        svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 12, "ignore_eos": True}), long_)
+        svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 200, "ignore_eos": True}), long_)
         deadline = time.monotonic() + 60
         while not long_.responses and time.monotonic() < deadline:
             time.sleep(0.01)
         svc.submit(DecodeRequest(PROMPT, {"stream": True, "max_tokens": 3, "ignore_eos": True}), short)
-        assert short.done.wait(60) and long_.done.wait(60)
+        assert short.done.wait(60)
     finally:
         svc.shutdown()
     end = events.index(("publish", 1))
-    assert events[end - 1] == ("send", long_, False)  # the other stream's token of that step went first
-    assert events[end + 1] == ("send", short, True)  # the ending request's last response after the publish
+    first = max(s for s in steps if s <= end)  # the events of the step that ended the short request
+    step = events[first:next((s for s in steps if s > end), len(events))]
+    assert ("send", long_, False) in step[:step.index(("publish", 1))]  # the other stream's token went first
+    assert step[step.index(("publish", 1)) + 1:] == [("send", short, True)]  # then only the ending request's

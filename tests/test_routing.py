@@ -125,17 +125,26 @@ def test_truncate_keeps_the_first_k_experts_renormalised():
 
 
 def test_a_snapshot_that_does_not_wait_reads_the_last_landed_copy():
-    """snapshot(wait=False) never syncs: on CUDA the first returns what was read before (zeros) and
-    queues a copy, the next after that copy landed returns it; on the CPU it is snapshot()."""
+    """snapshot(wait=False) never syncs: on CUDA it returns the sums of the last copy handed to
+    landed() (queued beside a step's tokens), never an older one; on the CPU it is snapshot()."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     stats = RoutingStats()
     ids = torch.tensor([[0, 1], [1, 2]], device=device)
     stats.add_step([(ids, ids)] * 3, rows=2, num_experts=4)
-    exact = stats.snapshot()
-    assert exact == {"layer_steps": 3, "union_before": 9, "union_after": 9, "rerouted_slots": 0}
+    one = {"layer_steps": 3, "union_before": 9, "union_after": 9, "rerouted_slots": 0}
+    copy = stats.queue_copy()
     stats.add_step([(ids, ids)] * 3, rows=2, num_experts=4)
-    first = stats.snapshot(wait=False)
-    if device == "cuda":
-        assert first == exact  # the copy of the second step's sums is only queued
-        torch.cuda.synchronize()
-    assert stats.snapshot(wait=False) == stats.snapshot() == {k: 2 * v for k, v in exact.items()}
+    if device == "cpu":
+        assert copy is None and stats.snapshot(wait=False) == {k: 2 * v for k, v in one.items()}
+        return
+    assert stats.snapshot(wait=False) == dict.fromkeys(one, 0)  # nothing landed yet
+    torch.cuda.synchronize()
+    stats.landed(copy)
+    assert stats.snapshot(wait=False) == one  # as of the copy, not the step after it
+    later = stats.queue_copy()
+    assert stats.snapshot() == {k: 2 * v for k, v in one.items()}
+    torch.cuda.synchronize()
+    stats.landed(copy)  # an older copy handed over late: the sums only grow
+    assert stats.snapshot(wait=False) == {k: 2 * v for k, v in one.items()}
+    stats.landed(later)
+    assert stats.snapshot(wait=False) == {k: 2 * v for k, v in one.items()}

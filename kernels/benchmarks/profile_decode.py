@@ -180,12 +180,14 @@ def main(argv=None) -> int:
     with dependent_launch.enabled_as(False):  # each kernel's own time (module docstring)
         engine = build_engine()
         for policy in args.policies.split(","):
-            engine.set_routing_policy({"topk": RoutingPolicy, "sere": lambda: random_sere(engine.device)}[policy]())
+            if engine.model.policy.name != policy:  # (each change re-captures the graphs)
+                engine.set_routing_policy({"topk": RoutingPolicy, "sere": lambda: random_sere(engine.device)}[policy]())
             for batch in (int(b) for b in args.batches.split(",")):
                 result["steps"].append({"policy": policy, **profile_step(engine, batch)})
                 print_step(result["steps"][-1])
                 out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        engine.set_routing_policy(RoutingPolicy())
+        if engine.model.policy.name != "topk":
+            engine.set_routing_policy(RoutingPolicy())
         if args.mixed:
             result["mixed"] = [profile_mixed(engine, args.mixed, *prompt_spec(p)) for p in args.mixed_prompts.split(",")]
             for row in result["mixed"]:

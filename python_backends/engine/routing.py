@@ -26,11 +26,11 @@ class RoutingStats:
     """Sums over decode layer-steps; their ratios are the mean union before/after re-routing.
 
     Accumulated on the routing's device with a few ops per step (not per layer), so counting never
-    waits for the GPU. `snapshot()` reads them back with one sync. A step launched behind another
-    (engine.py, async scheduling) queues a copy of the sums beside its tokens (`queue_copy`), and its
-    read-back hands it over (`landed`): `snapshot(wait=False)` returns those, exact as of the last
-    step whose tokens were read, without waiting for the step in flight (whose tokens a sync would
-    hold back, with the other streams' tokens of the step before).
+    waits for the GPU. `snapshot()` reads them back with one sync. Each step launched to be read back
+    later (engine.py, async scheduling) queues a copy of the sums beside its tokens (`queue_copy`),
+    and its read-back hands it over (`landed`): `snapshot(wait=False)` returns those, exact as of the
+    last step whose tokens were read, without waiting for the step in flight (whose tokens a sync
+    would hold back, with the other streams' tokens of the step before).
     """
     FIELDS = ("layer_steps", "union_before", "union_after", "rerouted_slots")
 

@@ -231,18 +231,19 @@ class DecoderService:
             reply = None if p is None else self._reply(p, token)
             if reply is not None:
                 replies.append(reply)
-        # The tokens of requests going on leave first: nothing below may hold them back. Then a request
-        # that ends is counted and published, once, exactly, before its last response goes out (a client
-        # that has its last response finds its work in the metrics); else the periodic publish follows.
+        # The tokens of requests going on leave first: nothing below may hold them back. A request that
+        # ends is counted and published before its last response (whose client then finds it in the metrics).
         ends = [(p, response) for p, response, final in replies if final]
-        for p, response, final in replies:
-            if not final:
-                self._send(p, response, False)
-        for p, _ in ends:
-            self._record(p)
-        self._maybe_publish(force=bool(ends))
-        for p, response in ends:
-            self._send(p, response, True)
+        try:
+            for p, response, final in replies:
+                if not final:
+                    self._send(p, response, False)
+            for p, _ in ends:
+                self._record(p)
+            self._maybe_publish(force=bool(ends))
+        finally:  # out of the live set already: nothing else would ever answer them
+            for p, response in ends:
+                self._send(p, response, True)
 
     def _wait_for_turn(self, working: bool = False) -> None:
         """Holds the next step back while vision_encoder has this GPU (`gpu_turn`: never two steps in
@@ -362,7 +363,7 @@ class DecoderService:
 
     def _reply(self, p: Pending, token: int) -> tuple[Pending, DecodeResponse, bool] | None:
         """The response a new token calls for (None when not streaming and not finished); a finished
-        request leaves the live set and is counted."""
+        request leaves the live set (`_emit` counts it)."""
         seq = p.seq
         if len(seq.output_ids) == 1:
             self._ttfts.add(seq.first_token_time, seq.first_token_time - seq.arrival)
@@ -375,7 +376,7 @@ class DecoderService:
                                   len(seq.prompt_ids), len(seq.output_ids), seq.finish_reason or "", p.tokens_kept,
                                   p.keep_ratio)
         if seq.finished:
-            self._forget(p)  # counted by the caller, after the other requests' tokens have left
+            self._forget(p)
         return p, response, seq.finished
 
     def _record(self, p: Pending):
