@@ -172,7 +172,7 @@ def test_routing_sums_read_without_waiting_are_exact_for_every_token_read(tiny_c
         if read and eng.step_in_flight and starts[-1] is not None:
             assert stats.snapshot(wait=False) == dict(zip(stats.FIELDS, starts[-1].tolist()))
             checked += 1
-    assert checked > 5 and stats.snapshot(wait=False) == stats.snapshot()  # every step read: exact
+    assert checked >= 3 and stats.snapshot(wait=False) == stats.snapshot()  # every step read: exact
 
 
 def count_follow_ups(eng: LLMEngine) -> list[bool]:
