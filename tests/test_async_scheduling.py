@@ -151,6 +151,7 @@ def test_a_launch_behind_the_step_in_flight_never_waits_for_the_gpu(tiny_checkpo
     assert any(launched)  # the short prompt went in behind the step in flight
 
 
+@pytest.mark.gpu
 def test_routing_sums_read_without_waiting_are_exact_for_every_token_read(tiny_checkpoint):
     """snapshot(wait=False) between pipelined steps: exactly the sums as of the step whose tokens were
     just read (those the next launch started from), never waiting for the step in flight."""
