@@ -15,7 +15,6 @@ their sum is handing the response over.
 from __future__ import annotations
 
 import ctypes
-import gc
 import io
 import os
 import re
@@ -224,7 +223,7 @@ class TritonPythonModel:
 
     def finalize(self):
         # Tear the pipelines (their worker threads and GPU buffers) down while CUDA is still up: left
-        # to interpreter exit, the GPU variant kept the model from unloading at server shutdown.
+        # to interpreter exit, the GPU variant kept the model from unloading at server shutdown. The
+        # metrics' close() collects them with the metric families.
         self.header = self.image = None
-        gc.collect()
         self._metric_families.close()

@@ -31,7 +31,7 @@ from ..engine.multimodal import VisualInputs
 from ..engine.sequence import SamplingParams, Sequence, Status
 from ..settings import make_current, setting
 from .decode_request import DecodeRequest, DecodeResponse, ResponseSink, sampling_params, splice
-from .decoder_metrics import finished_request, prompt_step_counts
+from .decoder_metrics import finished_request, service_stats
 from .device_loss import device_lost, end_process, lost_message
 from .errors import SHUTTING_DOWN, internal_error, server_busy
 from .gc_pauses import GcPauses
@@ -154,16 +154,7 @@ class DecoderService:
         """Counters (only grow) and gauges of the service, the engine's KV cache, its routing and the load.
         wait False: the routing sums as of the last step whose tokens were read back, so exact for every
         token sent without waiting for a step in flight (`RoutingStats.snapshot`)."""
-        sched, control = self.engine.scheduler, self._controller
-        return {**self.counts, "preemptions": sched.num_preemptions,
-                "engine_steps": self.engine.steps_run, "engine_steps_pipelined": self.engine.steps_pipelined,
-                "kv_blocks_free": self.engine.blocks.num_free, "kv_blocks_total": self.engine.blocks.num_blocks,
-                "kv_capacity_tokens": self.engine.kv_capacity_tokens,
-                "running": len(sched.running), "waiting": len(sched.waiting),
-                "degradation_level": control.level if control else 0,
-                "load_pressure": round(control.pressure, 3) if control else 0.0,
-                **self.engine.routing_stats.snapshot(wait), **self._gc.stats(),
-                **prompt_step_counts(self.engine.runner.prompt_steps)}
+        return service_stats(self.counts, self.engine, self._controller, self._gc.stats(), wait)
 
     def shutdown(self, message: str = SHUTTING_DOWN) -> None:
         """Stops the engine thread; whoever still waits (admitted or not) gets `message` as its final

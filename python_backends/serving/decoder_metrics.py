@@ -1,5 +1,6 @@
 """moe_decoder's Prometheus metrics: what `DecoderService.stats()` and `observe()` name, what the
-adapter (`models/moe_decoder.py`) publishes each as, and what a finished request adds to them."""
+adapter (`models/moe_decoder.py`) publishes each as, where each value is read (`service_stats`), and
+what a finished request adds to them."""
 
 # stats() name -> (Prometheus metric, help), as the adapter publishes them; counters only grow.
 COUNTERS = {
@@ -89,3 +90,18 @@ def prompt_step_counts(steps: dict[str, list]) -> dict[str, int]:
     prompt_steps_<path> and prompt_step_us_<path>."""
     return {**{f"prompt_steps_{path}": n for path, (n, _) in steps.items()},
             **{f"prompt_step_us_{path}": int(s * 1e6) for path, (_, s) in steps.items()}}
+
+
+def service_stats(counts: dict[str, int], engine, controller, gc_stats: dict[str, int], wait: bool) -> dict:
+    """Every COUNTERS and GAUGES value: the service's own `counts`, the engine's (scheduler, KV cache,
+    routing sums: `RoutingStats.snapshot(wait)`, prompt steps), the degradation `controller`'s (None:
+    off) and the collector's pauses."""
+    sched = engine.scheduler
+    return {**counts, "preemptions": sched.num_preemptions,
+            "engine_steps": engine.steps_run, "engine_steps_pipelined": engine.steps_pipelined,
+            "kv_blocks_free": engine.blocks.num_free, "kv_blocks_total": engine.blocks.num_blocks,
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "running": len(sched.running), "waiting": len(sched.waiting),
+            "degradation_level": controller.level if controller else 0,
+            "load_pressure": round(controller.pressure, 3) if controller else 0.0,
+            **engine.routing_stats.snapshot(wait), **gc_stats, **prompt_step_counts(engine.runner.prompt_steps)}
