@@ -99,7 +99,7 @@ def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), spl
     tokenizer = ChatPrompt(checkpoint).tokenizer
     temporal = model.config.vision_config.temporal_patch_size
     on_device = functools.partial(to_device, dev=dev, temporal=temporal)
-    sums = {k: {"loss": 0.0, "f1": 0.0, "mass": []} for k in keeps}
+    per = {k: {"loss": [], "f1": [], "mass": []} for k in keeps}  # per example, in loader order
     tasks: list[str] = []
     batches = tqdm(loader, desc=f"{split} batches, keep {'/'.join(map(str, keeps))}")
     for task, data_batch, out in eval_batches(model, batches, dev, on_device):
@@ -113,11 +113,21 @@ def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), spl
                 mass = []
                 with truncated_routing(model, k, answer_rows(labels), mass), torch.no_grad(), autocast(dev):
                     logits = model(**data_batch).logits
-            sums[k]["loss"] += float(answer_nll(logits, labels).sum())
-            sums[k]["f1"] += sum(token_f1(p, r) for p, r in zip(*answer_texts(logits, labels, tokenizer)))
-            sums[k]["mass"] += mass
-    rows = [{"keep": k, "answer_loss": round(s["loss"] / len(tasks), 4), "f1": round(s["f1"] / len(tasks), 4),
-             "top_weight_kept": round(sum(s["mass"]) / len(s["mass"]), 4)} for k, s in sums.items()]
+            per[k]["loss"] += answer_nll(logits, labels).tolist()
+            per[k]["f1"] += [token_f1(p, r) for p, r in zip(*answer_texts(logits, labels, tokenizer))]
+            per[k]["mass"] += mass
+
+    def means(s: dict, which: list[bool]) -> dict:
+        n = sum(which)
+        return {"n": n, "answer_loss": round(sum(v for v, w in zip(s["loss"], which) if w) / max(n, 1), 4),
+                "f1": round(sum(v for v, w in zip(s["f1"], which) if w) / max(n, 1), 4)}
+
+    # The knowledge questions (answers recalled, not read: taskset_v2.KNOWLEDGE_TASKS) apart from the rest.
+    knowledge = [t in ts.KNOWLEDGE_TASKS for t in tasks]
+    rows = [{"keep": k, **{key: v for key, v in means(s, [True] * len(tasks)).items() if key != "n"},
+             "top_weight_kept": round(sum(s["mass"]) / len(s["mass"]), 4),
+             "knowledge": means(s, knowledge), "reading": means(s, [not w for w in knowledge])}
+            for k, s in per.items()]
     return {"checkpoint": str(checkpoint), "split": split, "n": len(tasks), "top_k": top_k, "rows": rows}
 
 
@@ -132,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     result = probe(a.checkpoint, a.n, tuple(int(k) for k in a.keep.split(",")), a.split, device=a.device)
     print(f"{result['checkpoint']}: {result['n']} {result['split']} examples, router top-{result['top_k']}")
-    print(" keep  answer loss  token F1  top-K weight kept")
+    print(" keep  answer loss  token F1  top-K weight kept  knowledge: loss, F1  reading: loss, F1")
     for r in result["rows"]:
-        print(f"{r['keep']:5d}  {r['answer_loss']:11.4f}  {r['f1']:8.4f}  {r['top_weight_kept']:17.4f}")
+        kn, rd = r["knowledge"], r["reading"]
+        print(f"{r['keep']:5d}  {r['answer_loss']:11.4f}  {r['f1']:8.4f}  {r['top_weight_kept']:17.4f}"
+              f"  {kn['answer_loss']:9.4f}, {kn['f1']:.4f}  {rd['answer_loss']:7.4f}, {rd['f1']:.4f}")
     if a.out:
         a.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -6,6 +6,13 @@ at least one of each -- and one question whose answer needs one small region (a 
 tag, a cell, a form field) or several images (totals of two receipts, which shelf has an item).
 Answers transcribe what is printed: "BREAD 3.49", "MILK 1.99, EGGS 2.79, TEA 4.10",
 "a red circle, a blue square and a green triangle" (5-40 tokens of the trained tokenizer).
+A quarter of the questions ask what no image prints (KNOWLEDGE_TASKS): every store has a price
+list, fixed for the task set, and "by its price list, what does TEA cost at the store of the
+receipt in image 2?" is answered "FRESH MART 3.15": the store's name read off that receipt (which
+does not list TEA), then the price recalled from the model's weights, as a real VLM answers "which
+landmark is this?". Issue 18 wants answers whose tokens need the experts' own capacity: copying what
+attention reads, any expert's transform serves (docs/QUALITY.md, the sixth and seventh runs). The
+name comes first so that the recall is conditioned on it as text, and happens in decode steps.
 
 Fully determined by its integer seed (one `random.Random` for facts, then pixels); splits are
 notes_data's (`split_seed`: train / validation / test interleave and never overlap), so the
@@ -38,8 +45,12 @@ png_bytes = nd.png_bytes
 PATCH, MERGE = 16, 2  # the vision config the token counts are stated for (checkpoints/notes, Qwen3-VL)
 MIN_IMAGES, MAX_IMAGES = 2, 4
 
+KNOWLEDGE_TASKS: tuple[str, ...] = ("store_price", "multi_store_price")
 TASKS: tuple[str, ...] = ("receipt_line", "receipt_total", "receipt_list", "shelf_price", "shelf_row", "table_cell",
-                          "table_row", "form_field", "form_pair", "photo_shapes", "multi_total", "multi_find")
+                          "table_row", "form_field", "form_pair", "photo_shapes", "multi_total", "multi_find",
+                          *KNOWLEDGE_TASKS)
+# Each knowledge task is drawn twice as often as a reading task: a quarter of all questions.
+TASK_WEIGHTS: tuple[int, ...] = tuple(2 if t in KNOWLEDGE_TASKS else 1 for t in TASKS)
 QUESTIONS: dict[str, str] = {
     "receipt_line": "what does the {item} line on the receipt in image {i} say?",
     "receipt_total": "transcribe the total line of the receipt in image {i}.",
@@ -53,6 +64,9 @@ QUESTIONS: dict[str, str] = {
     "photo_shapes": "what shapes does image {i} show, from left to right?",
     "multi_total": "what are the totals of the receipts in images {i} and {j}?",
     "multi_find": "which image has a tag for {item}, and what is its price?",
+    "store_price": "by its price list, what does {item} cost at the store of the receipt in image {i}?",
+    "multi_store_price": "by their price lists, what does {item} cost at the stores of the receipts in images {i} "
+                         "and {j}?",
 }
 
 # Training only (build/train_v2.py mixes them in; never in validation or test): read one entry of one
@@ -98,12 +112,22 @@ class Plan:
 
 # ----------------------------------------------------------------------------------- facts
 
-def _price(rng: random.Random, low: int = 50, high: int = 1999) -> str:
+def random_price(rng: random.Random, low: int = 50, high: int = 1999) -> str:
     return _cents(rng.randint(low, high))
 
 
 def _cents(c: int) -> str:
     return f"{c // 100}.{c % 100:02d}"
+
+
+def _price_lists(seed: int = 18) -> dict[str, dict[str, str]]:
+    """Every store's price of every item (8 x 36 facts): the task set's knowledge, the same in every
+    split, never printed (the knowledge questions ask about items not on the receipt shown)."""
+    rng = random.Random(seed)
+    return {store: {item: random_price(rng) for item in ITEMS} for store in STORES}
+
+
+PRICE_LISTS = _price_lists()
 
 
 def _size(rng: random.Random, widths, heights) -> tuple[int, int]:
@@ -115,12 +139,13 @@ def _names(rng: random.Random, k: int, exclude: frozenset[str]) -> list[str]:
     return rng.sample([n for n in ITEMS if n not in exclude], k)
 
 
-def _receipt(rng: random.Random, exclude: frozenset[str] = frozenset()) -> Receipt:
+def _receipt(rng: random.Random, exclude: frozenset[str] = frozenset(), other_than: str | None = None) -> Receipt:
+    """A receipt without the items in `exclude`, from any store but `other_than`."""
     size, font = _size(rng, (448, 576), (768, 896)), rng.randint(20, 24)
     n = rng.randint(6, min(16, receipt_capacity(size, font)))
     cents = [rng.randint(50, 1999) for _ in range(n)]
     date = f"{rng.randint(2019, 2025)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-    return Receipt(size, font, rng.choice(STORES), date, tuple(zip(_names(rng, n, exclude), map(_cents, cents))),
+    return Receipt(size, font, rng.choice([s for s in STORES if s != other_than]), date, tuple(zip(_names(rng, n, exclude), map(_cents, cents))),
                    _cents(sum(cents)))
 
 
@@ -135,7 +160,7 @@ def _shelf(rng: random.Random, exclude: frozenset[str] = frozenset(), require: s
         names[rng.randrange(len(names))] = require
     tags, k = [], 0
     for m in per_row:
-        tags.append(tuple((names[k + c], _price(rng)) for c in range(m)))
+        tags.append(tuple((names[k + c], random_price(rng)) for c in range(m)))
         k += m
     return Shelf(size, font, tuple(tags))
 
@@ -147,7 +172,7 @@ def _table(rng: random.Random) -> Table:
         n_cols -= 1  # a value column as wide as its widest number
     start = rng.randrange(12 - n_cols + 1)
     columns = rng.choice([MONTHS[start:start + n_cols], tuple(f"Q{k}" for k in range(1, n_cols + 1))])
-    rows = tuple((label, tuple(_price(rng, 1000, 9999) for _ in columns))
+    rows = tuple((label, tuple(random_price(rng, 1000, 9999) for _ in columns))
                  for label in rng.sample(REGIONS, n_rows))  # values 10.00-99.99: five tokens each
     return Table(size, font, tuple(columns), rows)
 
@@ -160,7 +185,7 @@ def _field_value(rng: random.Random, label: str) -> str:
     if label == "ID":
         return str(rng.randint(100000, 999999))
     if label == "AMOUNT":
-        return _price(rng, 10000, 99999)
+        return random_price(rng, 10000, 99999)
     if label == "ZIP":
         return str(rng.randint(10000, 99999))
     if label == "NAME":
@@ -197,12 +222,13 @@ def _shapes_answer(shapes) -> str:
     return ", ".join(said[:-1]) + " and " + said[-1]
 
 
-def plan(seed_or_rng) -> Plan:
+def plan(seed_or_rng, knowledge: bool = False) -> Plan:
     """The facts of an example (task, documents in display order, question, answer), before drawing.
     The task's documents come first, then fillers (at least one dense and one plain image in all),
-    then the order is shuffled; the answer is read back from the placed documents."""
+    then the order is shuffled; the answer is read back from the placed documents. knowledge: a
+    knowledge question whatever the draw (training may ask them more often than the test set does)."""
     rng = seed_or_rng if isinstance(seed_or_rng, random.Random) else random.Random(seed_or_rng)
-    task = rng.choice(TASKS)
+    task = rng.choice(KNOWLEDGE_TASKS) if knowledge else rng.choices(TASKS, weights=TASK_WEIGHTS)[0]
     n = rng.randint(3 if task.startswith("multi") else MIN_IMAGES, MAX_IMAGES)
     exclude: frozenset[str] = frozenset()
     if task.startswith("receipt"):
@@ -217,6 +243,12 @@ def plan(seed_or_rng) -> Plan:
         required = [_photo(rng)]
     elif task == "multi_total":
         required = [_receipt(rng), _receipt(rng)]
+    elif task in KNOWLEDGE_TASKS:  # the item is on no document of the example: only its price list knows it
+        item = rng.choice(ITEMS)
+        exclude = frozenset({item})
+        required = [_receipt(rng, exclude)]
+        if task == "multi_store_price":
+            required.append(_receipt(rng, exclude, other_than=required[0].store))
     else:  # multi_find: the item is on exactly one document of the example, a shelf
         item = rng.choice(ITEMS)
         exclude = frozenset({item})
@@ -265,6 +297,12 @@ def plan(seed_or_rng) -> Plan:
     elif task == "multi_total":
         i, j = sorted((pos[0], pos[1]))
         question, answer = q.format(i=i, j=j), f"{docs[i - 1].total} and {docs[j - 1].total}"
+    elif task == "store_price":  # the store as printed, then its price: recalled once the key is in the answer
+        question, answer = q.format(item=item, i=i), f"{d.store} {PRICE_LISTS[d.store][item]}"
+    elif task == "multi_store_price":
+        i, j = sorted((pos[0], pos[1]))
+        question = q.format(item=item, i=i, j=j)
+        answer = ", ".join(f"{docs[k - 1].store} {PRICE_LISTS[docs[k - 1].store][item]}" for k in (i, j))
     else:
         (price,) = [p for name, p in (t for row in d.rows for t in row) if name == item]
         question, answer = q.format(item=item), f"image {i}, {price}"
@@ -272,10 +310,11 @@ def plan(seed_or_rng) -> Plan:
 
 
 def entries(doc: Doc) -> list[str]:
-    """A dense document's entries in reading order, each as printed: a receipt's item lines then its
-    total, a shelf's tags row by row, a table's rows, a form's fields."""
+    """A dense document's entries in reading order, each as printed: a receipt's store (which the
+    knowledge questions need read), item lines and total, a shelf's tags row by row, a table's rows,
+    a form's fields."""
     if isinstance(doc, Receipt):
-        return [f"{name} {price}" for name, price in doc.items] + [f"TOTAL {doc.total}"]
+        return [doc.store] + [f"{name} {price}" for name, price in doc.items] + [f"TOTAL {doc.total}"]
     if isinstance(doc, Shelf):
         return [f"{name} {price}" for row in doc.rows for name, price in row]
     if isinstance(doc, Table):
@@ -303,11 +342,11 @@ def read_plan(seed_or_rng) -> Plan:
 
 # ----------------------------------------------------------------------------------- API
 
-def make_example(seed: int, read: bool = False) -> Example:
+def make_example(seed: int, read: bool = False, knowledge: bool = False) -> Example:
     """The example for `seed`: facts first, then pixels, from one RNG. read: the training-only
-    read-entry example of that seed instead."""
+    read-entry example of that seed instead; knowledge: that seed's knowledge question."""
     rng = random.Random(seed)
-    p = read_plan(rng) if read else plan(rng)
+    p = read_plan(rng) if read else plan(rng, knowledge)
     drawn = [draw(doc, rng) for doc in p.docs]
     return Example(tuple(d.image for d in drawn), tuple(doc.kind for doc in p.docs), p.question, p.answer, p.task,
                    seed, tuple(d.marks for d in drawn))

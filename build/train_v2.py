@@ -103,15 +103,19 @@ class TaskSetV2Dataset(SplitDataset):
     """Example i of a split as model inputs, the keys `training.collate` takes: ids, labels
     (answer and <|im_end|> only), mRoPE positions, uint8 pixels, grids, task (index in TRAIN_TASKS),
     per-token readings. read_fraction: that share of the examples are training-only read-entry
-    questions (`taskset_v2.read_plan`), chosen by `training.is_training_only`."""
+    questions (`taskset_v2.read_plan`), chosen by `training.is_training_only`; knowledge_fraction:
+    that share more are knowledge questions, on top of those the split's own mix draws."""
 
-    def __init__(self, checkpoint: Path, split: str, length: int, start: int = 0, read_fraction: float = 0.0):
+    def __init__(self, checkpoint: Path, split: str, length: int, start: int = 0, read_fraction: float = 0.0,
+                 knowledge_fraction: float = 0.0):
         super().__init__(checkpoint, split, length, start)
-        self.read_fraction = read_fraction
+        self.read_fraction, self.knowledge_fraction = read_fraction, knowledge_fraction
 
     def __getitem__(self, i: int) -> dict:
         index = self.start + i
-        ex = ts.make_example(ts.split_seed(self.split, index), read=is_training_only(index, self.read_fraction))
+        read = is_training_only(index, self.read_fraction)
+        knowledge = not read and is_training_only(index, self.read_fraction + self.knowledge_fraction)
+        ex = ts.make_example(ts.split_seed(self.split, index), read=read, knowledge=knowledge)
         pixels, grids, merged, readings = [], [], [], []
         for image, marks in zip(ex.images, ex.marks):
             pixels.append(uint8_patches(image, self.patch, self.merge))
@@ -133,8 +137,19 @@ class TaskSetV2Dataset(SplitDataset):
             starts.append(image_positions[seen])
             seen += rows * cols
         chars = char_marks(ex.answer, list(ex.marks), ex.question)
+        if ex.task in ts.KNOWLEDGE_TASKS:  # a recalled price comes from nothing printed: no target
+            chars = [None if any(c.isdigit() for c in word) else mark
+                     for word, mark in zip(_words_of_chars(ex.answer), chars)]
         return attention_targets(ex.answer, offsets, len(ids) - len(offsets), starts,
                                  [cols for _, cols in merged], chars, self.patch * self.merge)
+
+
+def _words_of_chars(text: str) -> list[str]:
+    """Per character of `text`, the whitespace-separated word it belongs to ("" for a space)."""
+    out: list[str] = []
+    for word in text.split(" "):
+        out += [word] * len(word) + [""]
+    return out[:len(text)]
 
 
 def to_device(data: dict, dev: torch.device, temporal: int) -> dict:
@@ -209,7 +224,7 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3, attend_loss: float = 0.3, centering: float = 1.0,
+          read_fraction: float = 0.3, knowledge_fraction: float = 0.0, attend_loss: float = 0.3, centering: float = 1.0,
           expert_width: int | None = None, balance_loss: float | None = None, router_z_loss: float = 0.0) -> dict:
     text_shape, vision_shape = dict(SIZES[size][0]), SIZES[size][1]
     # Routing knobs (issue 18 wants experts that a top-2 truncation misses): None keeps the size's own.
@@ -231,11 +246,13 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
         looking = AnswerAttention(run.model, max(0, text.num_hidden_layers - 2))
 
     # ~21 ms of CPU per example (rendering three large images): the loader needs the machine's cores.
-    train_set = TaskSetV2Dataset(run.out, "train", steps * batch, read_fraction=read_fraction)
+    train_set = TaskSetV2Dataset(run.out, "train", steps * batch, read_fraction=read_fraction,
+                                 knowledge_fraction=knowledge_fraction)
     train_loader, val_loader = loaders(run, train_set, TaskSetV2Dataset(run.out, "validation", val_examples), batch, workers,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
-                 "reading_loss": reading_loss, "read_fraction": read_fraction, "attend_loss": attend_loss,
+                 "reading_loss": reading_loss, "read_fraction": read_fraction,
+                 "knowledge_fraction": knowledge_fraction, "attend_loss": attend_loss,
                  "centering": centering, "task_set": "v2", "router_z_loss": router_z_loss,
                  "moe_intermediate_size": text_shape.get("moe_intermediate_size"),
                  "router_aux_loss_coef": text_shape.get("router_aux_loss_coef")}
@@ -291,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read", dest="read_fraction", type=float, default=None,
                    help="share of training examples that are read-entry questions (training only; "
                         f"default {default['read_fraction']})")
+    p.add_argument("--knowledge", dest="knowledge_fraction", type=float, default=None,
+                   help="share of training examples made knowledge questions, beyond the task set's own quarter "
+                        f"(taskset_v2.KNOWLEDGE_TASKS; default {default['knowledge_fraction']})")
     p.add_argument("--attend-loss", type=float, default=None,
                    help="weight of the answer-attention targets (train_v2_attention; 0: off; "
                         f"default {default['attend_loss']})")

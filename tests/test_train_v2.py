@@ -84,16 +84,35 @@ def test_positions_match_the_models_own_rope_index(smoke):
     assert torch.equal(batch["position_ids"][:, real], expected[:, real])
 
 
-def test_read_entry_share_is_training_only(smoke):
+def test_read_entry_and_knowledge_shares_are_training_only(smoke):
     """--read f: that share of the train split's examples are read-entry questions, by index (the
-    same pick for every worker); validation keeps none."""
+    same pick for every worker); --knowledge g: the next share g are knowledge questions, the rest
+    the task set's own mix; validation keeps neither."""
     from zipmoe.build.train_v2 import TRAIN_TASKS
     from zipmoe.build.training import is_training_only
 
-    data = TaskSetV2Dataset(smoke[0], "train", 12, read_fraction=0.3)
+    data = TaskSetV2Dataset(smoke[0], "train", 12, read_fraction=0.3, knowledge_fraction=0.3)
     tasks = [TRAIN_TASKS[data[i]["task"]] for i in range(12)]
     assert [t == ts.READ_TASK for t in tasks] == [is_training_only(i, 0.3) for i in range(12)]
+    extra = [is_training_only(i, 0.6) and not is_training_only(i, 0.3) for i in range(12)]
+    assert any(extra) and all(t in ts.KNOWLEDGE_TASKS for t, e in zip(tasks, extra) if e)
+    # the rest are the seed's own draw, as without the option
+    assert all(t == ts.make_example(ts.split_seed("train", i)).task
+               for i, (t, e) in enumerate(zip(tasks, extra)) if not e and t != ts.READ_TASK)
     assert ts.READ_TASK not in {TRAIN_TASKS[TaskSetV2Dataset(smoke[0], "validation", 6)[i]["task"]] for i in range(6)}
+
+
+def test_knowledge_answers_look_at_the_store_name_and_never_for_the_price(smoke):
+    """A knowledge answer's printed store name gets attention targets; its recalled price none (a
+    number printed elsewhere that happens to match is not where the price comes from)."""
+    data = TaskSetV2Dataset(smoke[0], "train", 1, knowledge_fraction=1.0)
+    ex = ts.make_example(ts.split_seed("train", 0), knowledge=True)
+    inputs = data.text_inputs(ex.question, ex.answer, [(im.height // 32, im.width // 32) for im in ex.images])
+    answer_start = len(inputs["ids"]) - len(inputs["answer_offsets"])
+    looked = {int(q) - answer_start + 1 for q, _ in data[0]["attend"]}  # the answer tokens with a target
+    texts = [ex.answer[a:b] for a, b in inputs["answer_offsets"]]
+    assert looked and all(texts[k].strip() and not any(c.isdigit() for c in texts[k]) for k in looked)
+    assert all(k in looked for k, t in enumerate(texts) if t.strip().isalpha())  # every word of the name
 
 
 def test_device_pixels_equal_the_servers_pixels():
