@@ -145,8 +145,8 @@ def _receipt(rng: random.Random, exclude: frozenset[str] = frozenset(), other_th
     n = rng.randint(6, min(16, receipt_capacity(size, font)))
     cents = [rng.randint(50, 1999) for _ in range(n)]
     date = f"{rng.randint(2019, 2025)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-    return Receipt(size, font, rng.choice([s for s in STORES if s != other_than]), date, tuple(zip(_names(rng, n, exclude), map(_cents, cents))),
-                   _cents(sum(cents)))
+    store = rng.choice([s for s in STORES if s != other_than])
+    return Receipt(size, font, store, date, tuple(zip(_names(rng, n, exclude), map(_cents, cents))), _cents(sum(cents)))
 
 
 def _shelf(rng: random.Random, exclude: frozenset[str] = frozenset(), require: str | None = None) -> Shelf:

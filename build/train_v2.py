@@ -224,7 +224,8 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
           lr: float = 1e-3, seed: int = 0, device: str | None = None, workers: int | None = None,
           val_examples: int = 256, calibrate_sere: bool = True, val_every_minutes: float = 4.0,
           experts: str = "grouped_mm", reading_loss: float = 0.5, calibration_prompts: int = 64,
-          read_fraction: float = 0.3, knowledge_fraction: float = 0.0, attend_loss: float = 0.3, centering: float = 1.0,
+          read_fraction: float = 0.3, knowledge_fraction: float = 0.0, attend_loss: float = 0.3,
+          centering: float = 1.0,
           expert_width: int | None = None, balance_loss: float | None = None, router_z_loss: float = 0.0) -> dict:
     text_shape, vision_shape = dict(SIZES[size][0]), SIZES[size][1]
     # Routing knobs (issue 18 wants experts that a top-2 truncation misses): None keeps the size's own.
