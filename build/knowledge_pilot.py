@@ -135,7 +135,8 @@ def run(minutes: float = 4.0, expert_width: int | None = None, balance_loss: flo
             losses.append([steps, round(loss.item(), 4)])
             print(f"step {steps}, {elapsed / 60:.1f} min, loss {losses[-1][1]:.4f}", flush=True)
     model.eval()
-    return {"stores": stores, "facts": len(ids), "steps": steps, "minutes": minutes, "batch": batch, "lr": lr,
+    return {"stores": stores, "seed": seed, "facts": len(ids), "steps": steps, "minutes": minutes, "batch": batch,
+            "lr": lr,
             "moe_intermediate_size": config.moe_intermediate_size, "router_aux_loss_coef": config.router_aux_loss_coef,
             "router_z_loss": router_z_loss, "losses": losses, "rows": [recall(model, ids, scored, k) for k in keeps]}
 
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--stores", type=int, default=8, help="8: the task set's price lists; 64: eight times the facts")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
-    result = run(a.minutes, a.expert_width, a.balance_loss, a.router_z_loss, a.batch, a.lr, stores=a.stores)
+    result = run(a.minutes, a.expert_width, a.balance_loss, a.router_z_loss, a.batch, a.lr, a.seed, stores=a.stores)
     print(f"{result['facts']} facts, {result['steps']} steps; per experts kept at the answer's rows:")
     for r in result["rows"]:
         print(f"  keep {r['keep']}: price tokens {r['token_accuracy']:.3f}, whole prices {r['prices_exact']:.3f}, "
