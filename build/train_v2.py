@@ -21,7 +21,9 @@ decoder reads: in session 17's 10-minute run the validation loss was 1.14 agains
 images (sessions 15 and 16: about 0.01 apart), and the head looked at the right token 71 % of the
 time (docs/results/train_v2_attention_log.json).
 `--expert-width`, `--balance-loss` and `--router-z-loss` change the routing recipe (issue 18 wants
-experts that a top-2 truncation misses; session 24's run with all three: docs/QUALITY.md).
+experts that a top-2 truncation misses; session 24's run with all three: docs/QUALITY.md), and
+`--knowledge` asks more of the knowledge questions (recalled price lists) in training; which recipe
+makes a top-2 truncation cost recall, on a CPU in minutes: `build/knowledge_pilot.py`.
 
 Size `v2` (25.8 M parameters, 51.6 MB in bf16 <= 60 MB):
   text: 256 wide, 6 MoE layers of 64 experts 64 wide, top-8 (Qwen3-30B-A3B's 128 / top-8 ratio
