@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -30,9 +29,9 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (Qwen3VLMoeTe
                                                                       load_balancing_loss_func)
 
 from zipmoe.build import taskset_v2 as ts
-from zipmoe.build.routing_truncation import truncated_routing
+from zipmoe.build.routing_truncation import answer_nll, truncated_routing
 from zipmoe.build.train_v2 import SIZES
-from zipmoe.build.training import router_z_term
+from zipmoe.build.training import answer_exact_match, router_z_term
 
 ANSWER_FROM = 2  # [item, |, store words..., price chars..., end]: the answer (decode rows) starts at 2
 
@@ -52,23 +51,22 @@ def price_lists(stores: int) -> dict[str, dict[str, str]]:
     names = [f"{a} {b}" for a in firsts for b in seconds]
     if stores != len(names):
         raise ValueError(f"stores must be {len(ts.STORES)} or {len(names)}, got {stores}")
-    rng = random.Random(18)
-    return {name: {item: ts.random_price(rng) for item in ts.ITEMS} for name in names}
+    return ts.price_lists(names)
 
 
 def facts(vocab: dict[str, int], lists: dict[str, dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every (store, item) fact as ids [n, L] (padded) and the loss mask of its price and end tokens."""
-    rows, masks = [], []
+    """Every (store, item) fact as ids [n, L] (padded) and its labels: the ids of its price and end
+    tokens, -100 elsewhere (as train_v2's labels, so routing_truncation's and training's scorers apply)."""
+    rows, labels = [], []
     for store, prices in lists.items():
         for item, price in prices.items():
             head = [vocab[item], vocab["|"], *(vocab[w] for w in store.split())]
             tail = [vocab[c] for c in price] + [vocab["<end>"]]
             rows.append(head + tail)
-            masks.append([False] * len(head) + [True] * len(tail))
+            labels.append([-100] * len(head) + tail)
     width = max(map(len, rows))
     ids = torch.tensor([r + [vocab["<pad>"]] * (width - len(r)) for r in rows])
-    scored = torch.tensor([m + [False] * (width - len(m)) for m in masks])
-    return ids, scored
+    return ids, torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
 
 
 class FactModel(torch.nn.Module):
@@ -82,22 +80,16 @@ class FactModel(torch.nn.Module):
         return self.head(out.last_hidden_state), getattr(out, "router_logits", None)
 
 
-def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """Per example: the mean loss of its scored tokens, each predicted from the row before it."""
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
-    mask = scored[:, 1:].float()
-    return (nll * mask).sum(1) / mask.sum(1)
-
-
-def recall(model: FactModel, ids: torch.Tensor, scored: torch.Tensor, keep: int) -> dict:
-    rows = torch.zeros_like(scored)
+def recall(model: FactModel, ids: torch.Tensor, labels: torch.Tensor, keep: int) -> dict:
+    rows = torch.zeros_like(ids, dtype=torch.bool)
     rows[:, ANSWER_FROM:] = True
     with torch.no_grad(), truncated_routing(model, keep, rows):
         logits, _ = model(ids)
-    right = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | ~scored[:, 1:]
-    return {"keep": keep, "token_accuracy": round(float(right[scored[:, 1:]].float().mean()), 4),
-            "prices_exact": round(float(right.all(1).float().mean()), 4),
-            "loss": round(float(next_token_loss(logits, ids, scored).mean()), 4)}
+    target = labels[:, 1:]
+    right = logits[:, :-1].argmax(-1)[target != -100] == target[target != -100]
+    return {"keep": keep, "token_accuracy": round(float(right.float().mean()), 4),
+            "prices_exact": round(float(answer_exact_match(logits, labels).float().mean()), 4),
+            "loss": round(float(answer_nll(logits, labels).mean()), 4)}
 
 
 def run(minutes: float = 4.0, expert_width: int | None = None, balance_loss: float | None = None,
@@ -113,7 +105,7 @@ def run(minutes: float = 4.0, expert_width: int | None = None, balance_loss: flo
     config = Qwen3VLMoeTextConfig(**shape, vocab_size=len(vocab), pad_token_id=0)
     config._experts_implementation = "grouped_mm"  # a third faster than the per-expert loop on a CPU
     model = FactModel(config)
-    ids, scored = facts(vocab, price_lists(stores))
+    ids, labels = facts(vocab, price_lists(stores))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     start, steps, losses = time.monotonic(), 0, []
     while (elapsed := time.monotonic() - start) < minutes * 60:
@@ -121,7 +113,7 @@ def run(minutes: float = 4.0, expert_width: int | None = None, balance_loss: flo
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed / (minutes * 60))))
         pick = torch.randint(len(ids), (batch,))
         logits, router = model(ids[pick], router_logits=True)
-        loss = next_token_loss(logits, ids[pick], scored[pick]).mean()
+        loss = answer_nll(logits, labels[pick]).mean()
         real = ids[pick] != 0
         loss = loss + config.router_aux_loss_coef * load_balancing_loss_func(
             router, config.num_experts, config.num_experts_per_tok, real.long())
@@ -138,7 +130,7 @@ def run(minutes: float = 4.0, expert_width: int | None = None, balance_loss: flo
     return {"stores": stores, "seed": seed, "facts": len(ids), "steps": steps, "minutes": minutes, "batch": batch,
             "lr": lr,
             "moe_intermediate_size": config.moe_intermediate_size, "router_aux_loss_coef": config.router_aux_loss_coef,
-            "router_z_loss": router_z_loss, "losses": losses, "rows": [recall(model, ids, scored, k) for k in keeps]}
+            "router_z_loss": router_z_loss, "losses": losses, "rows": [recall(model, ids, labels, k) for k in keeps]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,15 +118,15 @@ def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), spl
             per[k]["mass"] += mass
 
     def means(s: dict, which: list[bool]) -> dict:
-        n = sum(which)
-        return {"n": n, "answer_loss": round(sum(v for v, w in zip(s["loss"], which) if w) / max(n, 1), 4),
-                "f1": round(sum(v for v, w in zip(s["f1"], which) if w) / max(n, 1), 4)}
+        n = max(sum(which), 1)
+        return {key: round(sum(v for v, w in zip(s[src], which) if w) / n, 4)
+                for key, src in (("answer_loss", "loss"), ("f1", "f1"))}
 
     # The knowledge questions (answers recalled, not read: taskset_v2.KNOWLEDGE_TASKS) apart from the rest.
     knowledge = [t in ts.KNOWLEDGE_TASKS for t in tasks]
-    rows = [{"keep": k, **{key: v for key, v in means(s, [True] * len(tasks)).items() if key != "n"},
-             "top_weight_kept": round(sum(s["mass"]) / len(s["mass"]), 4),
-             "knowledge": means(s, knowledge), "reading": means(s, [not w for w in knowledge])}
+    groups = {"knowledge": knowledge, "reading": [not w for w in knowledge]}
+    rows = [{"keep": k, **means(s, [True] * len(tasks)), "top_weight_kept": round(sum(s["mass"]) / len(s["mass"]), 4),
+             **{name: {"n": sum(which), **means(s, which)} for name, which in groups.items()}}
             for k, s in per.items()]
     return {"checkpoint": str(checkpoint), "split": split, "n": len(tasks), "top_k": top_k, "rows": rows}
 

@@ -120,14 +120,15 @@ def _cents(c: int) -> str:
     return f"{c // 100}.{c % 100:02d}"
 
 
-def _price_lists(seed: int = 18) -> dict[str, dict[str, str]]:
-    """Every store's price of every item (8 x 36 facts): the task set's knowledge, the same in every
-    split, never printed (the knowledge questions ask about items not on the receipt shown)."""
+def price_lists(stores, seed: int = 18) -> dict[str, dict[str, str]]:
+    """Every store's price of every item, drawn from `seed`."""
     rng = random.Random(seed)
-    return {store: {item: random_price(rng) for item in ITEMS} for store in STORES}
+    return {store: {item: random_price(rng) for item in ITEMS} for store in stores}
 
 
-PRICE_LISTS = _price_lists()
+# The task set's knowledge (8 x 36 facts), the same in every split and never printed: the knowledge
+# questions ask about items not on the receipt shown.
+PRICE_LISTS = price_lists(STORES)
 
 
 def _size(rng: random.Random, widths, heights) -> tuple[int, int]:

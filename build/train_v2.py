@@ -65,6 +65,7 @@ import argparse
 import functools
 import inspect
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -140,18 +141,10 @@ class TaskSetV2Dataset(SplitDataset):
             seen += rows * cols
         chars = char_marks(ex.answer, list(ex.marks), ex.question)
         if ex.task in ts.KNOWLEDGE_TASKS:  # a recalled price comes from nothing printed: no target
-            chars = [None if any(c.isdigit() for c in word) else mark
-                     for word, mark in zip(_words_of_chars(ex.answer), chars)]
+            for price in re.finditer(r"\S*\d\S*", ex.answer):
+                chars[price.start():price.end()] = [None] * (price.end() - price.start())
         return attention_targets(ex.answer, offsets, len(ids) - len(offsets), starts,
                                  [cols for _, cols in merged], chars, self.patch * self.merge)
-
-
-def _words_of_chars(text: str) -> list[str]:
-    """Per character of `text`, the whitespace-separated word it belongs to ("" for a space)."""
-    out: list[str] = []
-    for word in text.split(" "):
-        out += [word] * len(word) + [""]
-    return out[:len(text)]
 
 
 def to_device(data: dict, dev: torch.device, temporal: int) -> dict:

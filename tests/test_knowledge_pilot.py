@@ -1,13 +1,17 @@
 """build/knowledge_pilot.py: the price-list facts as text, and a short run's per-K' recall rows."""
 from __future__ import annotations
 
+import torch
+
 from zipmoe.build import knowledge_pilot as kp
 from zipmoe.build import taskset_v2 as ts
 
 
 def test_facts_are_every_price_list_entry_with_only_the_price_scored():
     vocab = kp.vocabulary()
-    ids, scored = kp.facts(vocab, kp.price_lists(8))
+    ids, labels = kp.facts(vocab, kp.price_lists(8))
+    scored = labels != -100
+    assert torch.equal(labels[scored], ids[scored])  # labels are the ids where scored
     words = {i: w for w, i in vocab.items()}
     assert len(ids) == len(ts.STORES) * len(ts.ITEMS)
     for row, mask in zip(ids[:5].tolist(), scored[:5].tolist()):
