@@ -2,7 +2,8 @@
 DeepStack rows and mRoPE positions spliced per chunk) gives the logits of a one-shot prefill, and
 a sequence that decodes beside someone else's chunks gets the tokens it gets alone; such steps run
 as piecewise graphs, or with each prompt token a row of a decode step (runner.prompt_rows), give what
-they give eagerly."""
+they give eagerly. Under a per-token routing policy (truncate) the decode rows of such steps re-route
+as in a decode step, on every path."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,8 @@ import torch
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.prefill_graphs import PrefillGraphs, prefill_buckets
-from zipmoe.engine.runner import is_decode
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, TruncatePolicy
+from zipmoe.engine.runner import decode_row, is_decode
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
@@ -35,12 +37,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def engine(checkpoint, budget: int, device: str = "cpu", max_num_seqs: int = 4, prompt_graph_rows: int = 0,
-           **cfg) -> LLMEngine:
-    """float32 on either device: chunks take other attention kernels than one shot, bf16 would blur them."""
-    return LLMEngine(checkpoint, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
-                                              max_model_len=256, max_num_seqs=max_num_seqs,
-                                              max_num_batched_tokens=budget, prompt_graph_rows=prompt_graph_rows,
-                                              **cfg))
+           policy: str = "topk", **cfg) -> LLMEngine:
+    """float32 on either device: chunks take other attention kernels than one shot, bf16 would blur them.
+    policy: "topk", or "truncate" (every decode token keeps its first expert of the tiny model's 4)."""
+    eng = LLMEngine(checkpoint, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
+                                             max_model_len=256, max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=budget, prompt_graph_rows=prompt_graph_rows,
+                                             **cfg))
+    eng.set_routing_policy(TruncatePolicy(k=1) if policy == "truncate" else RoutingPolicy())
+    return eng
+
+
+POLICIES = ["topk", "truncate"]
 
 
 def prefill_logits(eng: LLMEngine, ids, visual) -> tuple[torch.Tensor, int]:
@@ -68,8 +76,10 @@ def test_chunked_prefill_gives_the_one_shot_logits(tiny_checkpoint, request_with
     torch.testing.assert_close(chunked, whole, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_images, device):
+def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_images, device, policy):
+    """Also under truncation: a decode row beside someone's prompt chunks keeps one expert, as alone."""
     ids, visual = request_with_images
     text = list(range(10, 30))
 
@@ -82,11 +92,13 @@ def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_i
             eng.step()
         return a.output_ids, None if b is None else b.output_ids
 
-    alone, _ = run(engine(tiny_checkpoint, 256, device), with_images=False)
-    _, b_alone = run(engine(tiny_checkpoint, 256, device), with_images=True)
-    eng = engine(tiny_checkpoint, 9, device)  # b's prompt takes many steps, each with a's decode token in it
+    alone, _ = run(engine(tiny_checkpoint, 256, device, policy=policy), with_images=False)
+    _, b_alone = run(engine(tiny_checkpoint, 256, device, policy=policy), with_images=True)
+    eng = engine(tiny_checkpoint, 9, device, policy=policy)  # b's prompt takes many steps, each with a's decode token in it
     a_mixed, b_mixed = run(eng, with_images=True)
     assert a_mixed == alone and b_mixed == b_alone
+    if policy == "truncate":  # (the truncation changes tokens: the test can tell where it was skipped)
+        assert alone != run(engine(tiny_checkpoint, 256, device), with_images=False)[0]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -145,18 +157,20 @@ class Compared:
         return out
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("budget", [12, 33])
-def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_images, device, budget):
+def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_images, device, budget, policy):
     """Steps with prompt chunks run as pieces (prefill_graphs.py: CUDA graphs on CUDA, the same pieces
     eagerly on the CPU) on padded static buffers: a text stream decoding beside an image prompt's
     chunks (image rows, DeepStack rows, chunks that start mid-sequence), then beside a text prompt in
     the rows the image's DeepStack features used, gets the plain eager steps' logits, K/V and tokens.
-    Buckets of 16, 32 and 40 rows: 12-token steps all pad to 16, 33-token steps take turns."""
+    Buckets of 16, 32 and 40 rows: 12-token steps all pad to 16, 33-token steps take turns. Truncation:
+    the pieces re-route the stream's decode rows as the eager step does."""
     ids, visual = request_with_images
 
     def run(pieces: bool):
-        eng = engine(tiny_checkpoint, budget, device)
+        eng = engine(tiny_checkpoint, budget, device, policy=policy)
         eng.runner.prompt_row_context = 0  # no step rides a decode graph instead (runner.prompt_rows)
         compared = None
         if pieces:
@@ -183,6 +197,17 @@ def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_imag
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def test_a_new_policy_captures_the_prefill_pieces_again_where_per_token_changes(tiny_checkpoint):
+    """The pieces route a step's decode rows or not as the policy was when they were captured."""
+    eng = engine(tiny_checkpoint, 12)
+    eng.runner.prefill_graphs = first = PrefillGraphs(eng.model, eng.runner.kv, 40, capture=False)
+    eng.set_routing_policy(OeaPolicy())  # batch-aware as topk: the same pieces
+    assert eng.runner.prefill_graphs is first
+    eng.set_routing_policy(TruncatePolicy(k=1))
+    again = eng.runner.prefill_graphs
+    assert again is not first and again.per_token and again.max_tokens == 40 and not again.captured
+
+
 def admit_beside_a_stream(eng: LLMEngine, prompts: list) -> list[list[int]]:
     """A text stream decodes; each prompt (ids, or (ids, visual inputs)) then arrives, is prefilled beside
     it (in chunks where the budget is small) and generates a few tokens. The output ids of the stream and
@@ -204,14 +229,16 @@ def admit_beside_a_stream(eng: LLMEngine, prompts: list) -> list[list[int]]:
 PROMPTS = [list(range(40, 53)), [7, 8, 9]]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, request_with_images, device):
+def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, request_with_images, device, policy):
     """Each step with text prompt chunks (chunks that start mid-prompt, beside a decoding stream's token or
     not, and the text after an image request's images, at its mRoPE positions), computed as decode rows,
     one per prompt token over its own sequence's cache, gives the mixed step's logits in every row (the
-    runner's eager decode forward on the same rows here)."""
-    eng = engine(tiny_checkpoint, 8, device, max_num_seqs=8)
-    runner, compared, after_images = eng.runner, [], []
+    runner's eager decode forward on the same rows here). Prompt rows opt out of re-routing; under
+    truncation the stream's decode row does not."""
+    eng = engine(tiny_checkpoint, 8, device, max_num_seqs=8, policy=policy)
+    runner, compared, after_images, decoding = eng.runner, [], [], []
     run = runner.run
 
     def text_only(batch):
@@ -224,7 +251,9 @@ def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, request_with_i
             # The rows first: their attention reads only what their own slots got (the mixed step after
             # it writes the same K/V again).
             tensors, rows = runner.prompt_rows(batch)
-            assert tensors["opt_out"].all()
+            routed = [policy == "truncate" and decode_row(seq, n) for seq, n in batch for _ in range(n)]
+            assert tensors["opt_out"].tolist() == [not r for r in routed]
+            decoding.append(any(routed))
             ids, step, all_rows = runner.prepare_decode(tensors)
             got = eng.model.forward(ids, step, runner.kv, all_rows).logits
             ids, step, sampling = runner.prepare_mixed(batch)
@@ -239,6 +268,7 @@ def test_prompt_rows_give_the_mixed_steps_logits(tiny_checkpoint, request_with_i
     # The stream's prompt in chunks of 8, 8 and 4, the next prompt's 7 and 6 beside its token, the last one's
     # 3; then the image request's chunks, those after its last image token compared.
     assert len(compared) > 6 and after_images[:6] == [False] * 6 and any(after_images)
+    assert any(decoding) == (policy == "truncate")
     # On CUDA each text step fits the graphs' 8 rows and rides them (image chunks: piecewise graphs).
     assert runner.prompt_steps["decode_graph"][0] == (0 if device == "cpu" else len(compared))
     tol = 1e-5 if device == "cpu" else 1e-4

@@ -57,12 +57,15 @@ class StepInputs:
     """What one forward needs besides token ids; built by the runner."""
     positions: torch.Tensor  # [3, T] (t, h, w) mRoPE positions
     slots: torch.Tensor  # [T] cache slot each token's K/V is written to
-    is_prefill: bool  # the step computes prompt chunks: eager, plain top-K routing for every row
+    is_prefill: bool  # the step computes prompt chunks: eager; top-K routing but where opt_out says
     chunks: list[Chunk] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None  # prefill steps: rows that are decode tokens (None: no such row)
     block_tables: torch.Tensor | None = None  # decode rows: int32 [B, max_blocks] (padded with any block id)
     context_lens: torch.Tensor | None = None  # decode rows: int32 [B]
-    opt_out: torch.Tensor | None = None  # decode steps: [B] bool, tokens that keep their top-K
+    # [T] bool, rows that keep their top-K: decode steps, the requests that opted out; steps with prompt
+    # chunks under a per-token routing policy (RoutingPolicy.per_token), every row but the decode rows
+    # that re-route (None there: no row re-routes).
+    opt_out: torch.Tensor | None = None
     visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
     visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
     deepstack: torch.Tensor | None = None  # [layers, V, hidden] added to those rows after the first layers
@@ -242,8 +245,9 @@ class Qwen3VLMoeTextDecoder:
 
     def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs,
              routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Router, the policy (decode only; appends (router's ids, ids computed) to `routing`), experts:
-        [T, H], or [T, K, H] slot outputs still to be summed (`ops.experts` of KERNELS)."""
+        """Router, the policy (decode steps: appends (router's ids, ids computed) to `routing`; steps
+        with prompt chunks: a per-token policy at the rows `step.opt_out` leaves it), experts: [T, H],
+        or [T, K, H] slot outputs still to be summed (`ops.experts` of KERNELS)."""
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
         probs, ids, weights = self.ops.router(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
@@ -253,6 +257,8 @@ class Qwen3VLMoeTextDecoder:
                 routed, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
             routing.append((ids, routed))
             ids = routed
+        elif step.opt_out is not None and self.policy.per_token:
+            ids, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
         if self.shard is None:
             return self.ops.experts(x, ids, weights, layer.gate_up, layer.down)
         # Every process routed the same tokens the same way (the policy saw the global routing); each

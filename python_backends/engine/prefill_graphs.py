@@ -19,7 +19,10 @@ Padding rows (a bucket's rows past the step's tokens) keep the embeddings, posit
 outputs of earlier steps (finite: the buffers start at zero) and write their K/V to the cache's
 scratch slot; they pass through the MoE like real rows (the padding's share of its cost) and no
 logit is read from them. DeepStack features go into a dense [layers, rows, hidden] buffer that the
-first layers' pieces add (zero rows where no image token is).
+first layers' pieces add (zero rows where no image token is). Under a per-token routing policy
+(truncate) the decode rows re-route, as eagerly: the step's opt_out goes into a static buffer too
+(padding rows opt out); the pieces hold that choice, so the runner captures them again when a new
+policy changes it.
 
 A bucket's pieces are captured in replay order into one memory pool: a piece's intermediate
 tensors may reuse memory an earlier piece left once nothing later reads it, as at capture time,
@@ -52,7 +55,8 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 class PrefillGraphs:
     def __init__(self, model: Qwen3VLMoeTextDecoder, kv: KVCache, max_tokens: int, capture: bool = True):
-        self.model, self.kv = model, kv
+        self.model, self.kv, self.captured = model, kv, capture
+        self.per_token = model.policy.per_token
         self.buckets = prefill_buckets(max_tokens)
         n, cfg, dev = self.buckets[-1], model.cfg, model.device
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=model.dtype, device=dev)  # embeddings in
@@ -60,6 +64,7 @@ class PrefillGraphs:
         self.attn = torch.zeros_like(self.q)
         self.positions = torch.zeros(3, n, dtype=torch.long, device=dev)
         self.slots = torch.full((n,), kv.scratch_slot, dtype=torch.long, device=dev)
+        self.opt_out = torch.ones(n, dtype=torch.bool, device=dev) if self.per_token else None
         self.deepstack = (torch.zeros(cfg.deepstack_layers, n, cfg.hidden_size, dtype=model.dtype, device=dev)
                           if cfg.deepstack_layers else None)
         self._deepstack_rows = False  # the buffer holds some step's features (zeroed before the next)
@@ -77,7 +82,8 @@ class PrefillGraphs:
         """The bucket's pieces, each h -> h (the residual stream [b, hidden]). They hold no reference
         to self, so that dropping the engine frees its graphs at once, not at a garbage collection."""
         m, kv, deepstack = self.model, self.kv, self.deepstack
-        step = StepInputs(positions=self.positions[:, :b], slots=self.slots[:b], is_prefill=True)
+        step = StepInputs(positions=self.positions[:, :b], slots=self.slots[:b], is_prefill=True,
+                          opt_out=None if self.opt_out is None else self.opt_out[:b])
         q, attn = self.q[:b], self.attn[:b].view(b, -1)
         rope = {}  # cos/sin of piece 0, read by every later piece (under capture: piece 0's output tensors)
 
@@ -128,6 +134,10 @@ class PrefillGraphs:
         self.positions[:, :T].copy_(step.positions)
         self.slots[:T].copy_(step.slots)
         self.slots[T:b].fill_(self.kv.scratch_slot)
+        if self.opt_out is not None:
+            self.opt_out[:b].fill_(True)
+            if step.opt_out is not None:  # (None: no decode row in the step)
+                self.opt_out[:T].copy_(step.opt_out)
         m.embed_tokens(input_ids, step, out=self.hidden[:T])
         self._fill_deepstack(step)
         q, attn = self.q[:T], self.attn[:T]

@@ -2,7 +2,9 @@
 
 In a decode batch every distinct expert costs one read of its weights, so what matters is the
 union of experts the batch activates, not each token's top-K. A policy rewrites one MoE layer's
-(ids, weights) for the T tokens of a decode step. Prefill never goes through here.
+(ids, weights) for the T tokens of a decode step. Prompt tokens never re-route. A step that carries
+prompt chunks beside decode tokens re-routes those only under a per-token policy (`truncate`): a
+batch-aware one would save nothing there, the chunk's tokens reading most experts anyway.
 
 - `topk`: the router's choice, unchanged.
 - `sere` (arXiv 2602.07616): the batch's primary set P = union of every token's first K' experts;
@@ -10,6 +12,7 @@ union of experts the batch activates, not each token's top-K. A policy rewrites 
   most similar p in P when sim[e, p] >= rho. Weights stay; a duplicate id simply adds up.
 - `oea` (arXiv 2511.02237): each token keeps its top-k0; its other slots may only take experts the
   batch already uses (union of everyone's top-k0), best-scoring first; weights renormalised.
+- `truncate`: every token keeps its first k experts (the baseline the others are measured against).
 
 Tokens of requests that opted out keep their top-K (they still contribute primaries).
 `RoutingStats` sums, per decode step, the unions before and after the policy (ModelRunner keeps it).
@@ -83,6 +86,10 @@ def _union_sizes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 class RoutingPolicy:
     name = "topk"
+    # Each token's result depends on that token alone: the policy also acts on the decode rows of a step
+    # with prompt chunks (model.py, runner.py), so that a request's routing never depends on what else
+    # shares its step (issue 18's quality harness reads truncation's cost from every generated token).
+    per_token = False
 
     def route(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               opt_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +136,7 @@ class TruncatePolicy(RoutingPolicy):
     """Every token keeps only its first k experts (the baseline SERE is measured against): the other
     slots point at the token's first expert with weight 0, weights renormalised over the k kept."""
     name = "truncate"
+    per_token = True
 
     def __init__(self, k: int = 2, normalize: bool = True):
         self.k = k

@@ -2,8 +2,9 @@
 
 A step whose every sequence computes just its newest token is a decode step: attention over the
 paged cache, the routing policy, and on CUDA a replay of the batch size's CUDA graph; its routing
-goes into `routing_stats`. A step with prompt chunks in it takes plain top-K routing (its decode
-rows too: the chunk's tokens activate most experts anyway). On CUDA such a step runs, by size:
+goes into `routing_stats`. A step with prompt chunks in it takes plain top-K routing, but for its
+decode rows under a per-token policy (truncate: routing.py); its routing is not counted. On CUDA such
+a step runs, by size:
 
   - text-only chunks with little context, the step's tokens fitting a decode graph's rows (up to
     `prompt_graph_rows`, above `max_num_seqs` in graphs of their own): a replay of that graph, each
@@ -54,6 +55,7 @@ class ModelRunner:
         self.routing_stats = RoutingStats()
         self.graphs: DecodeGraphs | None = None
         self.prompt_graph_rows = prompt_graph_rows
+        self.prefill_graphs: PrefillGraphs | None = None
         self.capture_graphs()
         self.prefill_graphs = (PrefillGraphs(model, kv, prefill_graph_tokens)
                                if self.use_graphs and prefill_graph_tokens else None)
@@ -63,9 +65,15 @@ class ModelRunner:
         self.prompt_steps = {path: [0, 0.0] for path in PROMPT_PATHS}
 
     def capture_graphs(self) -> None:
+        """(Re-)captures the decode graphs; and the prefill pieces where the policy's per_token changed
+        (the pieces re-route decode rows or not as the policy was at their capture)."""
         if self.use_graphs:
             self.graphs = None  # the old graphs' memory pool goes back before the new capture
             self.graphs = DecodeGraphs(self.model, self.kv, self.max_num_seqs, self.max_blocks, self.prompt_graph_rows)
+        pieces = self.prefill_graphs
+        if pieces is not None and pieces.per_token != self.model.policy.per_token:
+            self.prefill_graphs = None
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, pieces.max_tokens, pieces.captured)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -102,6 +110,10 @@ class ModelRunner:
             step.decode_rows = self._tensor([r for r, _ in decode])
             step.block_tables = table["block_tables"].to(self.device)
             step.context_lens = table["context_lens"].to(self.device)
+            if self.model.policy.per_token:
+                opt_out = torch.ones(row, dtype=torch.bool)
+                opt_out[[r for r, seq in decode if not seq.opt_out]] = False
+                step.opt_out = opt_out.to(self.device)
         if visual_rows:
             step.visual_rows = self._tensor(visual_rows)
             step.visual_embeds = torch.cat(embeds)
@@ -184,18 +196,21 @@ class ModelRunner:
             first, last = image_span(seq, start, start + n)
             if last > first:  # an image token in the chunk
                 return False
-            if not (is_decode(seq, n) or (n == 1 and seq.pending)):  # (its token in flight: a decode row too)
+            if not decode_row(seq, n):
                 context += n * start + n * (n + 1) // 2
         return context <= self.prompt_row_context
 
     def prompt_rows(self, batch: ScheduledBatch, pending: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], list[int]]:
         """A step with prompt chunks as the host tensors of a decode step (decode_batch's), one row per
         token: the token at index i of its sequence gets that index's position, its own cache slot and
-        context length i + 1 (its K/V is written before the attention reads it); every row opts out of
-        re-routing. Also the rows whose logits sample: each sequence's row that reaches its end.
+        context length i + 1 (its K/V is written before the attention reads it); every prompt row opts
+        out of re-routing, decode rows too but under a per-token policy. Also the rows whose logits
+        sample: each sequence's row that reaches its end.
         pending: the input ids of the batch's first sequences (one decode token each) where they are
         still on the device (the step in flight's tokens, async scheduling); the rest come from the host."""
         counts = [n for _, n in batch]
+        per_token = self.model.policy.per_token
+        opt_out = np.array([seq.opt_out or not (per_token and decode_row(seq, n)) for seq, n in batch])
         index = np.concatenate([np.arange(seq.num_cached, seq.num_cached + n) for seq, n in batch])
         tables = np.repeat(self._tables([seq for seq, _ in batch]), counts, axis=0)
         slots = slots_at(tables, index, self.blocks.block_size)
@@ -209,7 +224,7 @@ class ModelRunner:
                                             for seq, n in batch], dim=1),
                        slots=torch.from_numpy(slots), block_tables=torch.from_numpy(tables),
                        context_lens=torch.from_numpy((index + 1).astype(np.int32)),
-                       opt_out=torch.ones(len(index), dtype=torch.bool))
+                       opt_out=torch.from_numpy(np.repeat(opt_out, counts)))
         return tensors, [int(ends[i]) for i, (seq, n) in enumerate(batch) if seq.num_cached + n == len(seq)]
 
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None) -> torch.Tensor:
@@ -266,6 +281,11 @@ def table_row(seq: Sequence) -> np.ndarray:
     if seq.table_array is not None and len(seq.table_array) == len(seq.block_table):
         return seq.table_array
     return np.asarray(seq.block_table, dtype=np.int32)
+
+
+def decode_row(seq: Sequence, num_tokens: int) -> bool:
+    """is_decode, or the sequence's one token is the step in flight's (async scheduling): a decode row too."""
+    return is_decode(seq, num_tokens) or (num_tokens == 1 and bool(seq.pending))
 
 
 def is_decode(seq: Sequence, num_tokens: int) -> bool:
