@@ -101,6 +101,25 @@ def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_i
         assert alone != run(engine(tiny_checkpoint, 256, device), with_images=False)[0]
 
 
+def test_decode_rows_beside_a_chunk_re_route_where_their_decode_batch_would(tiny_checkpoint):
+    """routing_min_batch 2: one decode row beside a prompt chunk keeps its top-K (as a decode step of
+    one would), two re-route; on both paths of such a step (prepare_mixed, prompt_rows)."""
+    eng = engine(tiny_checkpoint, 64, policy="truncate", routing_min_batch=2)
+    streams = [eng.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
+               for i in range(2)]
+    while not all(s.output_ids for s in streams):
+        eng.step()
+    eng.add_request(list(range(30, 42)), SamplingParams(max_tokens=2))
+    batch = eng.scheduler.schedule()
+    assert [n for _, n in batch] == [1, 1, 12]
+    runner = eng.runner
+    assert runner.prepare_mixed([batch[0], batch[2]])[1].opt_out is None
+    assert runner.prompt_rows([batch[0], batch[2]])[0]["opt_out"].all()
+    want = [False, False] + [True] * 12
+    assert runner.prepare_mixed(batch)[1].opt_out.tolist() == want
+    assert runner.prompt_rows(batch)[0]["opt_out"].tolist() == want
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_decoding_image_request_beside_chunks_reads_no_features(tiny_checkpoint, request_with_images, device,
                                                                   monkeypatch):

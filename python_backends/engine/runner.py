@@ -110,7 +110,7 @@ class ModelRunner:
             step.decode_rows = self._tensor([r for r, _ in decode])
             step.block_tables = table["block_tables"].to(self.device)
             step.context_lens = table["context_lens"].to(self.device)
-            if self.model.policy.per_token:
+            if self.reroutes_beside_prompts(len(decode)):
                 opt_out = torch.ones(row, dtype=torch.bool)
                 opt_out[[r for r, seq in decode if not seq.opt_out]] = False
                 step.opt_out = opt_out.to(self.device)
@@ -120,6 +120,11 @@ class ModelRunner:
             if deepstack:
                 step.deepstack = torch.cat(deepstack, dim=1)
         return self._tensor(ids), step, self._tensor(rows)
+
+    def reroutes_beside_prompts(self, decode_rows: int) -> bool:
+        """Whether a step with prompt chunks re-routes its decode rows: under a per-token policy, where a
+        decode step of those rows would (routing_min_batch), so that what shares a step changes nothing."""
+        return self.model.policy.per_token and decode_rows >= self.model.routing_min_batch
 
     @staticmethod
     def _positions(seq: Sequence) -> torch.Tensor:
@@ -204,13 +209,14 @@ class ModelRunner:
         """A step with prompt chunks as the host tensors of a decode step (decode_batch's), one row per
         token: the token at index i of its sequence gets that index's position, its own cache slot and
         context length i + 1 (its K/V is written before the attention reads it); every prompt row opts
-        out of re-routing, decode rows too but under a per-token policy. Also the rows whose logits
+        out of re-routing, decode rows too unless `reroutes_beside_prompts`. Also the rows whose logits
         sample: each sequence's row that reaches its end.
         pending: the input ids of the batch's first sequences (one decode token each) where they are
         still on the device (the step in flight's tokens, async scheduling); the rest come from the host."""
         counts = [n for _, n in batch]
-        per_token = self.model.policy.per_token
-        opt_out = np.array([seq.opt_out or not (per_token and decode_row(seq, n)) for seq, n in batch])
+        decoding = [decode_row(seq, n) for seq, n in batch]
+        reroute = self.reroutes_beside_prompts(sum(decoding))
+        opt_out = np.array([seq.opt_out or not (reroute and d) for (seq, _), d in zip(batch, decoding)])
         index = np.concatenate([np.arange(seq.num_cached, seq.num_cached + n) for seq, n in batch])
         tables = np.repeat(self._tables([seq for seq, _ in batch]), counts, axis=0)
         slots = slots_at(tables, index, self.blocks.block_size)
