@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from zipmoe.build.routing_truncation import answer_nll, answer_rows, main, truncated_routing
+from zipmoe.build.routing_truncation import answer_nll, answer_rows, main, prices_right, truncated_routing
 from zipmoe.build.train_v2 import TaskSetV2Dataset, collate, device_pixels
 
 
@@ -61,6 +61,19 @@ def test_answer_nll_scores_answer_tokens_only():
     assert float(answer_nll(logits, torch.tensor([[-100, -100, -100, 1]]))[0]) > 5
 
 
+def test_prices_right_counts_whole_prices_of_the_answer():
+    words = ["FRESH", " MART", "3", ".", "1", "5", ",", "<|im_end|>", "Q"]
+    tokenizer = type("Words", (), {"decode": staticmethod(lambda ids: "".join(words[i] for i in ids))})()
+    answer = [0, 1, 2, 3, 4, 5, 6, 2, 3, 5, 7]  # FRESH MART 3.15,3.5<|im_end|>
+    guess = [0, 1, 2, 3, 4, 5, 6, 2, 3, 4, 7]  # the second price's last digit wrong
+    labels = torch.tensor([[-100, -100] + answer, [-100, -100] + answer])
+    logits = torch.zeros(2, labels.shape[1], len(words))
+    for row, tokens in enumerate((answer, guess)):
+        logits[row, torch.arange(1, 1 + len(tokens)), torch.tensor(tokens)] = 1.0  # position i predicts i + 1
+    assert prices_right(logits, labels, tokenizer) == [(2, 2), (1, 2)]
+    assert prices_right(logits[:, :3], torch.tensor([[-100, 8, 0]] * 2), tokenizer) == [(0, 0), (0, 0)]
+
+
 def test_probe_on_the_smoke_checkpoint(v2_smoke, tmp_path, capsys):
     out = tmp_path / "probe.json"
     assert main(["--checkpoint", str(v2_smoke[0]), "--n", "2", "--keep", "4,2", "--device", "cpu",
@@ -69,6 +82,8 @@ def test_probe_on_the_smoke_checkpoint(v2_smoke, tmp_path, capsys):
     assert result["n"] == 2 and result["top_k"] == 4 and [r["keep"] for r in result["rows"]] == [4, 2]
     full, two = result["rows"]
     assert full["top_weight_kept"] == pytest.approx(1.0) and 0 < two["top_weight_kept"] < 1
+    for group in ("knowledge", "reading"):
+        assert 0 <= two[group]["prices_right"] <= 1 and two[group]["prices"] == full[group]["prices"] >= 0
     assert "answer loss" in capsys.readouterr().out
 
 

@@ -86,9 +86,9 @@ def _union_sizes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 class RoutingPolicy:
     name = "topk"
-    # Each token's result depends on that token alone: the policy also acts on the decode rows of a step
-    # with prompt chunks (model.py, runner.py), so that a request's routing never depends on what else
-    # shares its step (issue 18's quality harness reads truncation's cost from every generated token).
+    # Whether each token's result depends on that token alone (truncate). Such a policy also acts on the
+    # decode rows of a step with prompt chunks (model.py, runner.py), so that a request's routing never
+    # depends on what shares its step (issue 18's harness reads truncation's cost from every token).
     per_token = False
 
     def route(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
