@@ -7,12 +7,13 @@ tag, a cell, a form field) or several images (totals of two receipts, which shel
 Answers transcribe what is printed: "BREAD 3.49", "MILK 1.99, EGGS 2.79, TEA 4.10",
 "a red circle, a blue square and a green triangle" (5-40 tokens of the trained tokenizer).
 A quarter of the questions ask what no image prints (KNOWLEDGE_TASKS): every store has a price
-list, fixed for the task set, and "by its price list, what does TEA cost at the store of the
-receipt in image 2?" is answered "FRESH MART 3.15": the store's name read off that receipt (which
-does not list TEA), then the price recalled from the model's weights, as a real VLM answers "which
-landmark is this?". Issue 18 wants answers whose tokens need the experts' own capacity: copying what
+list, fixed for the task set, and "by its price list, what do TEA, MILK and OATS cost at the store
+of the receipt in image 2?" is answered "FRESH MART, TEA 3.15, MILK 1.99, OATS 2.79": the store's
+name read off that receipt (which lists none of them), then each item and its price recalled from
+the model's weights, as a real VLM answers "which landmark is this?". Issue 18 wants answers whose tokens need the experts' own capacity: copying what
 attention reads, any expert's transform serves (docs/QUALITY.md, the sixth and seventh runs). The
-name comes first so that the recall is conditioned on it as text, and happens in decode steps.
+name comes first, and each item before its price, so that the recall is conditioned on them as
+text, and happens in decode steps; three prices an answer make most of its words recalled ones.
 
 Fully determined by its integer seed (one `random.Random` for facts, then pixels); splits are
 notes_data's (`split_seed`: train / validation / test interleave and never overlap), so the
@@ -46,6 +47,7 @@ PATCH, MERGE = 16, 2  # the vision config the token counts are stated for (check
 MIN_IMAGES, MAX_IMAGES = 2, 4
 
 KNOWLEDGE_TASKS: tuple[str, ...] = ("store_price", "multi_store_price")
+ASKED_PRICES = 3  # items a store_price question asks of one store's price list
 TASKS: tuple[str, ...] = ("receipt_line", "receipt_total", "receipt_list", "shelf_price", "shelf_row", "table_cell",
                           "table_row", "form_field", "form_pair", "photo_shapes", "multi_total", "multi_find",
                           *KNOWLEDGE_TASKS)
@@ -64,7 +66,7 @@ QUESTIONS: dict[str, str] = {
     "photo_shapes": "what shapes does image {i} show, from left to right?",
     "multi_total": "what are the totals of the receipts in images {i} and {j}?",
     "multi_find": "which image has a tag for {item}, and what is its price?",
-    "store_price": "by its price list, what does {item} cost at the store of the receipt in image {i}?",
+    "store_price": "by its price list, what do {items} cost at the store of the receipt in image {i}?",
     "multi_store_price": "by their price lists, what does {item} cost at the stores of the receipts in images {i} "
                          "and {j}?",
 }
@@ -244,9 +246,9 @@ def plan(seed_or_rng, knowledge: bool = False) -> Plan:
         required = [_photo(rng)]
     elif task == "multi_total":
         required = [_receipt(rng), _receipt(rng)]
-    elif task in KNOWLEDGE_TASKS:  # the item is on no document of the example: only its price list knows it
-        item = rng.choice(ITEMS)
-        exclude = frozenset({item})
+    elif task in KNOWLEDGE_TASKS:  # the items are on no document of the example: only the price lists know them
+        items = rng.sample(ITEMS, ASKED_PRICES) if task == "store_price" else [rng.choice(ITEMS)]
+        exclude = frozenset(items)
         required = [_receipt(rng, exclude)]
         if task == "multi_store_price":
             required.append(_receipt(rng, exclude, other_than=required[0].store))
@@ -298,10 +300,11 @@ def plan(seed_or_rng, knowledge: bool = False) -> Plan:
     elif task == "multi_total":
         i, j = sorted((pos[0], pos[1]))
         question, answer = q.format(i=i, j=j), f"{docs[i - 1].total} and {docs[j - 1].total}"
-    elif task == "store_price":  # the store as printed, then its price: recalled once the key is in the answer
-        question, answer = q.format(item=item, i=i), f"{d.store} {PRICE_LISTS[d.store][item]}"
+    elif task == "store_price":  # the store as printed, then each item and its price, recalled
+        question = q.format(items=", ".join(items[:-1]) + " and " + items[-1], i=i)
+        answer = f"{d.store}, " + _listing((it, PRICE_LISTS[d.store][it]) for it in items)
     elif task == "multi_store_price":
-        i, j = sorted((pos[0], pos[1]))
+        (item,), (i, j) = items, sorted((pos[0], pos[1]))
         question = q.format(item=item, i=i, j=j)
         answer = ", ".join(f"{docs[k - 1].store} {PRICE_LISTS[docs[k - 1].store][item]}" for k in (i, j))
     else:
