@@ -255,8 +255,8 @@ def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[st
     """What decode routing did between two scrapes of the server's counters: distinct experts per
     MoE layer-step as the router chose them and as computed (the weights read), and token slots
     moved to another expert per generated token (all layers). None where nothing was decoded. A token
-    decoded in a step that also prefills a prompt is routed top-K and makes no layer-step (runner.py):
-    it counts as a token that moved nothing."""
+    decoded in a step that also prefills a prompt (top-K, truncated under truncate: runner.py) makes
+    no layer-step: it counts as a token that moved nothing."""
     d = counter_deltas(before, after, ROUTING_COUNTERS)
     steps, tokens = d["zipmoe_moe_layer_steps_total"], d["zipmoe_decode_tokens_total"]
     return {"experts_routed": d["zipmoe_moe_union_before_total"] / steps if steps else None,
