@@ -248,7 +248,8 @@ def keep_key(keep_ratio: float) -> str:
 
 
 ROUTING_COUNTERS = ("zipmoe_moe_layer_steps_total", "zipmoe_moe_union_before_total", "zipmoe_moe_union_after_total",
-                    "zipmoe_moe_rerouted_slots_total", "zipmoe_decode_tokens_total")
+                    "zipmoe_moe_rerouted_slots_total", "zipmoe_decode_tokens_total",
+                    "zipmoe_decode_tokens_beside_prompts_total")
 
 
 def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -256,12 +257,13 @@ def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[st
     MoE layer-step as the router chose them and as computed (the weights read), and token slots
     moved to another expert per generated token (all layers). None where nothing was decoded. A token
     decoded in a step that also prefills a prompt (top-K, truncated under truncate: runner.py) makes
-    no layer-step: it counts as a token that moved nothing."""
+    no layer-step: it counts as a token that moved nothing; beside_prompts is their share."""
     d = counter_deltas(before, after, ROUTING_COUNTERS)
     steps, tokens = d["zipmoe_moe_layer_steps_total"], d["zipmoe_decode_tokens_total"]
     return {"experts_routed": d["zipmoe_moe_union_before_total"] / steps if steps else None,
             "experts_read": d["zipmoe_moe_union_after_total"] / steps if steps else None,
-            "moved_per_token": d["zipmoe_moe_rerouted_slots_total"] / tokens if tokens else None}
+            "moved_per_token": d["zipmoe_moe_rerouted_slots_total"] / tokens if tokens else None,
+            "beside_prompts": d["zipmoe_decode_tokens_beside_prompts_total"] / tokens if tokens else None}
 
 
 def make_row(setting: Setting, keep_ratio: float, items: list[Item], answers: list[Answer], seconds: float,

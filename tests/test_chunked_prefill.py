@@ -97,6 +97,7 @@ def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_i
     eng = engine(tiny_checkpoint, 9, device, policy=policy)  # b's prompt takes many steps, each with a's decode token in it
     a_mixed, b_mixed = run(eng, with_images=True)
     assert a_mixed == alone and b_mixed == b_alone
+    assert eng.runner.decode_rows_beside_prompts >= 3  # a's tokens beside b's chunks, counted
     if policy == "truncate":  # (the truncation changes tokens: the test can tell where it was skipped)
         assert alone != run(engine(tiny_checkpoint, 256, device), with_images=False)[0]
 

@@ -14,7 +14,7 @@ from zipmoe.clients.triton_client import scrape_metrics
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 ROW_KEYS = {"keep_ratio", "routing", "primary_k", "rho", "protect", "budget", "accuracy", "by_task", "seconds",
-            "failed", "first_error", "experts_routed", "experts_read", "moved_per_token"}
+            "failed", "first_error", "experts_routed", "experts_read", "moved_per_token", "beside_prompts"}
 
 
 def check_schema(result: dict, n: int) -> None:
@@ -26,7 +26,7 @@ def check_schema(result: dict, n: int) -> None:
         assert 0.0 <= row["accuracy"] <= 1.0 and all(0.0 <= v <= 1.0 for v in row["by_task"].values())
         assert row["seconds"] >= 0 and row["failed"] == 0 and row["first_error"] is None
         assert row["experts_read"] is not None and 1 <= row["experts_read"] <= row["experts_routed"]
-        assert row["moved_per_token"] >= 0
+        assert row["moved_per_token"] >= 0 and 0 <= row["beside_prompts"] <= 1
     assert set(result["tokens_kept"]) >= {"dense", "plain"}
     keeps = {eq.keep_key(r["keep_ratio"]) for r in result["rows"]}
     assert set(result["tokens_kept_by_keep"]) == keeps
@@ -141,12 +141,14 @@ def test_tokens_kept_headline():
 def test_routing_effect_from_counters():
     before = {"zipmoe_moe_layer_steps_total": 8.0, "zipmoe_moe_union_before_total": 40.0,
               "zipmoe_moe_union_after_total": 40.0, "zipmoe_moe_rerouted_slots_total": 0.0,
-              "zipmoe_decode_tokens_total": 2.0}
+              "zipmoe_decode_tokens_total": 2.0, "zipmoe_decode_tokens_beside_prompts_total": 1.0}
     after = {"zipmoe_moe_layer_steps_total": 48.0, "zipmoe_moe_union_before_total": 340.0,
              "zipmoe_moe_union_after_total": 240.0, "zipmoe_moe_rerouted_slots_total": 60.0,
-             "zipmoe_decode_tokens_total": 22.0}
-    assert eq.routing_effect(before, after) == {"experts_routed": 7.5, "experts_read": 5.0, "moved_per_token": 3.0}
-    assert eq.routing_effect(after, after) == {"experts_routed": None, "experts_read": None, "moved_per_token": None}
+             "zipmoe_decode_tokens_total": 22.0, "zipmoe_decode_tokens_beside_prompts_total": 6.0}
+    assert eq.routing_effect(before, after) == {"experts_routed": 7.5, "experts_read": 5.0, "moved_per_token": 3.0,
+                                                "beside_prompts": 0.25}
+    assert eq.routing_effect(after, after) == {"experts_routed": None, "experts_read": None, "moved_per_token": None,
+                                               "beside_prompts": None}
 
 
 def test_tokens_kept_per_budget_weighting():

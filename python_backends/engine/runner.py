@@ -63,6 +63,8 @@ class ModelRunner:
         self.prompt_row_context = PROMPT_ROW_CONTEXT if model.shard is None else 0
         # Steps with prompt tokens by path: [steps, seconds from their inputs to their tokens on the host].
         self.prompt_steps = {path: [0, 0.0] for path in PROMPT_PATHS}
+        # Decode tokens those steps computed: routed top-K but under truncate, and not in routing_stats.
+        self.decode_rows_beside_prompts = 0
 
     def capture_graphs(self) -> None:
         """(Re-)captures the decode graphs; and the prefill pieces where the policy's per_token changed
@@ -173,10 +175,11 @@ class ModelRunner:
         end (a sequence still in the middle of its prompt samples nothing)."""
         if not all(is_decode(seq, n) for seq, n in batch):
             start = time.perf_counter()
+            self.decode_rows_beside_prompts += sum(decode_row(seq, n) for seq, n in batch)
             sampling = [seq for seq, n in batch if seq.num_cached + n == len(seq)]
             if self.rides_decode_graph(batch):
                 tensors, rows = self.prompt_rows(batch)
-                logits, path = self._decode(tensors, counted=0, rows=rows), "decode_graph"  # top-K for every row: none counted
+                logits, path = self._decode(tensors, counted=0, rows=rows), "decode_graph"  # none in routing_stats
             else:
                 ids, step, rows = self.prepare_mixed(batch)
                 logits, path = self._prefill(ids, step, rows)
@@ -241,7 +244,8 @@ class ModelRunner:
         seqs = [seq for seq, _ in batch]
         if input_ids is not None and len(batch) > input_ids.shape[0]:  # prompts after the decode tokens
             tensors, rows = self.prompt_rows(batch, input_ids)
-            return sample(self._decode(tensors, counted=0, rows=rows), seqs)  # top-K for every row: none counted
+            self.decode_rows_beside_prompts += input_ids.shape[0]
+            return sample(self._decode(tensors, counted=0, rows=rows), seqs)  # none in routing_stats
         tensors = self.decode_batch(seqs)
         if input_ids is not None:
             tensors["input_ids"] = input_ids

@@ -40,6 +40,9 @@ COUNTERS = {
     "union_before": ("zipmoe_moe_union_before_total", "Distinct experts the router chose, summed"),
     "union_after": ("zipmoe_moe_union_after_total", "Distinct experts computed after re-routing, summed"),
     "rerouted_slots": ("zipmoe_moe_rerouted_slots_total", "Token slots moved to another expert"),
+    "decode_tokens_beside_prompts": ("zipmoe_decode_tokens_beside_prompts_total",
+                                     "Decode tokens computed in steps with prompt tokens (routed top-K but under "
+                                     "truncate; not in the sums above)"),
     # VisionZip, whichever path compressed (mm_qa's vision_encoder or mm_qa_bls): kept / before.
     "visual_tokens": ("zipmoe_visual_tokens_total", "Merged visual tokens of the requests' images, before VisionZip"),
     "visual_tokens_kept": ("zipmoe_visual_tokens_kept_total", "Visual tokens kept by VisionZip and prefilled"),
@@ -94,8 +97,8 @@ def prompt_step_counts(steps: dict[str, list]) -> dict[str, int]:
 
 def service_stats(counts: dict[str, int], engine, controller, gc_stats: dict[str, int], wait: bool) -> dict:
     """Every COUNTERS and GAUGES value: the service's own `counts`, the engine's (scheduler, KV cache,
-    routing sums: `RoutingStats.snapshot(wait)`, prompt steps), the degradation `controller`'s (None:
-    off) and the collector's pauses."""
+    routing sums: `RoutingStats.snapshot(wait)`, prompt steps and the decode tokens beside them), the
+    degradation `controller`'s (None: off) and the collector's pauses."""
     sched = engine.scheduler
     return {**counts, "preemptions": sched.num_preemptions,
             "engine_steps": engine.steps_run, "engine_steps_pipelined": engine.steps_pipelined,
@@ -104,4 +107,5 @@ def service_stats(counts: dict[str, int], engine, controller, gc_stats: dict[str
             "running": len(sched.running), "waiting": len(sched.waiting),
             "degradation_level": controller.level if controller else 0,
             "load_pressure": round(controller.pressure, 3) if controller else 0.0,
-            **engine.routing_stats.snapshot(wait), **gc_stats, **prompt_step_counts(engine.runner.prompt_steps)}
+            **engine.routing_stats.snapshot(wait), **gc_stats, **prompt_step_counts(engine.runner.prompt_steps),
+            "decode_tokens_beside_prompts": engine.runner.decode_rows_beside_prompts}
