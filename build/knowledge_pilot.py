@@ -4,8 +4,8 @@ cutting the decode-time router to K' experts lose facts that the MoE layers memo
     python -m zipmoe.build.knowledge_pilot [--minutes 4] [--expert-width 32] [--balance-loss 0.001]
         [--router-z-loss 0.01] [--out F.json]
 
-The facts are task set v2's price lists (`taskset_v2.PRICE_LISTS`: 8 stores x 36 items), one a
-sequence, in text alone: "<item> | <store> <price> <end>", the item as the question names it, the
+The facts are task set v2's price lists (`taskset_v2.PRICE_LISTS`: 8 stores x 36 items), one
+per sequence, in text alone: "<item> | <store> <price> <end>", the item as the question names it, the
 store as the answer transcribes it, then the price, the only tokens the loss is taken on.
 The model is the text decoder of `build/train_v2.py`'s v2 size with the recipe's routing knobs
 (the same meaning as train_v2's flags), trained on random facts for `--minutes` (AdamW, cosine

@@ -10,10 +10,11 @@ A quarter of the questions ask what no image prints (KNOWLEDGE_TASKS): every sto
 list, fixed for the task set, and "by its price list, what do TEA, MILK and OATS cost at the store
 of the receipt in image 2?" is answered "FRESH MART, TEA 3.15, MILK 1.99, OATS 2.79": the store's
 name read off that receipt (which lists none of them), then each item and its price recalled from
-the model's weights, as a real VLM answers "which landmark is this?". Issue 18 wants answers whose tokens need the experts' own capacity: copying what
-attention reads, any expert's transform serves (docs/QUALITY.md, the sixth and seventh runs). The
-name comes first, and each item before its price, so that the recall is conditioned on them as
-text, and happens in decode steps; three prices an answer make most of its words recalled ones.
+the model's weights, as a real VLM answers "which landmark is this?". Issue 18 wants answers whose
+tokens need the experts' own capacity: copying what attention reads, any expert's transform serves
+(docs/QUALITY.md, the sixth and seventh runs). The name comes first, and each item before its
+price, so that the recall is conditioned on them as text, and happens in decode steps; three
+prices make more of the answer's words recalled ones.
 
 Fully determined by its integer seed (one `random.Random` for facts, then pixels); splits are
 notes_data's (`split_seed`: train / validation / test interleave and never overlap), so the

@@ -94,7 +94,8 @@ def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_i
 
     alone, _ = run(engine(tiny_checkpoint, 256, device, policy=policy), with_images=False)
     _, b_alone = run(engine(tiny_checkpoint, 256, device, policy=policy), with_images=True)
-    eng = engine(tiny_checkpoint, 9, device, policy=policy)  # b's prompt takes many steps, each with a's decode token in it
+    # b's prompt takes many steps, each with a's decode token in it
+    eng = engine(tiny_checkpoint, 9, device, policy=policy)
     a_mixed, b_mixed = run(eng, with_images=True)
     assert a_mixed == alone and b_mixed == b_alone
     assert eng.runner.decode_rows_beside_prompts >= 3  # a's tokens beside b's chunks, counted
