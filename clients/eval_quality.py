@@ -253,11 +253,10 @@ ROUTING_COUNTERS = ("zipmoe_moe_layer_steps_total", "zipmoe_moe_union_before_tot
 
 
 def routing_effect(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """What decode routing did between two scrapes of the server's counters: distinct experts per
-    MoE layer-step as the router chose them and as computed (the weights read), and token slots
-    moved to another expert per generated token (all layers). None where nothing was decoded. A token
-    decoded in a step that also prefills a prompt (top-K, truncated under truncate: runner.py) makes
-    no layer-step: it counts as a token that moved nothing; beside_prompts is their share."""
+    """Decode routing between two scrapes of the server's counters: distinct experts per MoE layer-step
+    as routed and as computed (the weights read), slots moved per generated token (all layers); None
+    where nothing was decoded. A token decoded beside a prompt chunk (top-K, truncated under truncate:
+    runner.py) makes no layer-step and moves nothing; beside_prompts is their share."""
     d = counter_deltas(before, after, ROUTING_COUNTERS)
     steps, tokens = d["zipmoe_moe_layer_steps_total"], d["zipmoe_decode_tokens_total"]
     return {"experts_routed": d["zipmoe_moe_union_before_total"] / steps if steps else None,

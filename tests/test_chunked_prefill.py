@@ -15,7 +15,7 @@ import torch
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.prefill_graphs import PrefillGraphs, prefill_buckets
-from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, TruncatePolicy
+from zipmoe.engine.routing import RoutingPolicy, TruncatePolicy
 from zipmoe.engine.runner import decode_row, is_decode
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
@@ -101,25 +101,6 @@ def test_decoding_beside_chunks_changes_no_token(tiny_checkpoint, request_with_i
     assert eng.runner.decode_rows_beside_prompts >= 3  # a's tokens beside b's chunks, counted
     if policy == "truncate":  # (the truncation changes tokens: the test can tell where it was skipped)
         assert alone != run(engine(tiny_checkpoint, 256, device), with_images=False)[0]
-
-
-def test_decode_rows_beside_a_chunk_re_route_where_their_decode_batch_would(tiny_checkpoint):
-    """routing_min_batch 2: one decode row beside a prompt chunk keeps its top-K (as a decode step of
-    one would), two re-route; on both paths of such a step (prepare_mixed, prompt_rows)."""
-    eng = engine(tiny_checkpoint, 64, policy="truncate", routing_min_batch=2)
-    streams = [eng.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
-               for i in range(2)]
-    while not all(s.output_ids for s in streams):
-        eng.step()
-    eng.add_request(list(range(30, 42)), SamplingParams(max_tokens=2))
-    batch = eng.scheduler.schedule()
-    assert [n for _, n in batch] == [1, 1, 12]
-    runner = eng.runner
-    assert runner.prepare_mixed([batch[0], batch[2]])[1].opt_out is None
-    assert runner.prompt_rows([batch[0], batch[2]])[0]["opt_out"].all()
-    want = [False, False] + [True] * 12
-    assert runner.prepare_mixed(batch)[1].opt_out.tolist() == want
-    assert runner.prompt_rows(batch)[0]["opt_out"].tolist() == want
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -216,17 +197,6 @@ def test_prefill_pieces_give_the_eager_tokens(tiny_checkpoint, request_with_imag
     tol = 1e-5 if device == "cpu" else 1e-4
     for _, got, want in compared.steps:
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-
-
-def test_a_new_policy_captures_the_prefill_pieces_again_where_per_token_changes(tiny_checkpoint):
-    """The pieces route a step's decode rows or not as the policy was when they were captured."""
-    eng = engine(tiny_checkpoint, 12)
-    eng.runner.prefill_graphs = first = PrefillGraphs(eng.model, eng.runner.kv, 40, capture=False)
-    eng.set_routing_policy(OeaPolicy())  # batch-aware as topk: the same pieces
-    assert eng.runner.prefill_graphs is first
-    eng.set_routing_policy(TruncatePolicy(k=1))
-    again = eng.runner.prefill_graphs
-    assert again is not first and again.per_token and again.max_tokens == 40 and not again.captured
 
 
 def admit_beside_a_stream(eng: LLMEngine, prompts: list) -> list[list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.prefill_graphs import PrefillGraphs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy, TruncatePolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels.fused_moe import fused_experts_reference
@@ -148,3 +149,41 @@ def test_a_snapshot_that_does_not_wait_reads_the_last_landed_copy():
     assert stats.snapshot(wait=False) == {k: 2 * v for k, v in one.items()}
     stats.landed(later)
     assert stats.snapshot(wait=False) == {k: 2 * v for k, v in one.items()}
+
+
+def small_engine(checkpoint, policy: RoutingPolicy, **cfg) -> LLMEngine:
+    eng = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+                                             max_model_len=256, max_num_batched_tokens=64, **cfg))
+    eng.set_routing_policy(policy)
+    return eng
+
+
+def test_decode_rows_beside_a_chunk_re_route_where_their_decode_batch_would(tiny_checkpoint):
+    """Truncation beside a prompt chunk (test_chunked_prefill: the tokens), routing_min_batch 2: one
+    decode row keeps its top-K (as a decode step of one would), two re-route; on both paths of such a
+    step (prepare_mixed, prompt_rows)."""
+    eng = small_engine(tiny_checkpoint, TruncatePolicy(k=1), routing_min_batch=2)
+    streams = [eng.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
+               for i in range(2)]
+    while not all(s.output_ids for s in streams):
+        eng.step()
+    eng.add_request(list(range(30, 42)), SamplingParams(max_tokens=2))
+    batch = eng.scheduler.schedule()
+    assert [n for _, n in batch] == [1, 1, 12]
+    runner = eng.runner
+    assert runner.prepare_mixed([batch[0], batch[2]])[1].opt_out is None
+    assert runner.prompt_rows([batch[0], batch[2]])[0]["opt_out"].all()
+    want = [False, False] + [True] * 12
+    assert runner.prepare_mixed(batch)[1].opt_out.tolist() == want
+    assert runner.prompt_rows(batch)[0]["opt_out"].tolist() == want
+
+
+def test_a_new_policy_captures_the_prefill_pieces_again_where_per_token_changes(tiny_checkpoint):
+    """The pieces route a step's decode rows or not as the policy was when they were captured."""
+    eng = small_engine(tiny_checkpoint, RoutingPolicy())
+    eng.runner.prefill_graphs = first = PrefillGraphs(eng.model, eng.runner.kv, 40, capture=False)
+    eng.set_routing_policy(OeaPolicy())  # batch-aware as topk: the same pieces
+    assert eng.runner.prefill_graphs is first
+    eng.set_routing_policy(TruncatePolicy(k=1))
+    again = eng.runner.prefill_graphs
+    assert again is not first and again.per_token and again.max_tokens == 40 and not again.captured
