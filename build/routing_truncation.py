@@ -104,7 +104,8 @@ def prices_right(logits: torch.Tensor, labels: torch.Tensor, tokenizer) -> list[
 
 
 def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), split: str = "validation",
-          batch: int = 8, device: str | None = None) -> dict:
+          batch: int = 8, device: str | None = None, knowledge_only: bool = False) -> dict:
+    """knowledge_only: every example a knowledge question (the recall alone), not the split's own mix."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     from zipmoe.build.train_v2 import TaskSetV2Dataset, answer_texts, to_device
@@ -117,7 +118,7 @@ def probe(checkpoint: Path, n: int = 64, keeps: tuple[int, ...] = (8, 4, 2), spl
     model.config.vision_config._attn_implementation = PACKED_IMAGE_ATTENTION
     grid_cached_vision_inputs(model.model.visual)
     top_k = model.config.text_config.num_experts_per_tok
-    data = TaskSetV2Dataset(checkpoint, split, n)
+    data = TaskSetV2Dataset(checkpoint, split, n, knowledge_fraction=1.0 if knowledge_only else 0.0)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, collate_fn=functools.partial(
         collate, pad_id=model.config.text_config.pad_token_id, image_token=model.config.image_token_id))
     tokenizer = ChatPrompt(checkpoint).tokenizer
@@ -165,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default="8,4,2", help="experts kept per answer token, comma-separated")
     p.add_argument("--split", default="validation", choices=("validation", "test"))
     p.add_argument("--device", default=None)
+    p.add_argument("--knowledge-only", action="store_true", help="knowledge questions only (the recalled prices)")
     p.add_argument("--out", type=Path, help="writes the result as JSON")
     a = p.parse_args(argv)
-    result = probe(a.checkpoint, a.n, tuple(int(k) for k in a.keep.split(",")), a.split, device=a.device)
+    result = probe(a.checkpoint, a.n, tuple(int(k) for k in a.keep.split(",")), a.split, device=a.device,
+                   knowledge_only=a.knowledge_only)
     print(f"{result['checkpoint']}: {result['n']} {result['split']} examples, router top-{result['top_k']}")
     print(" keep  answer loss  token F1  top-K weight kept  knowledge: loss, F1, prices right"
           "  reading: loss, F1, prices right")

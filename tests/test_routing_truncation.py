@@ -1,15 +1,19 @@
 """build/routing_truncation.py on the v2 smoke checkpoint (conftest's v2_smoke): the router cut to K'
 experts acts on the answer tokens only, K' = top-K is the model as trained, the routers come back
-unchanged, and the probe and train_v2's validation report it."""
+unchanged, and the probe and train_v2's validation report it; and on the committed checkpoints/v2,
+whose recalled prices need its experts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from zipmoe.build.routing_truncation import answer_nll, answer_rows, main, prices_right, truncated_routing
 from zipmoe.build.train_v2 import TaskSetV2Dataset, collate, device_pixels
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +94,16 @@ def test_probe_on_the_smoke_checkpoint(v2_smoke, tmp_path, capsys):
 def test_train_v2_validation_reports_the_top2_loss(v2_smoke):
     log = v2_smoke[1]
     assert log["val_top2_loss"] > 0 and all("top2_loss" in v for v in log["validation"])
+
+
+def test_the_committed_v2_checkpoint_recalls_the_price_lists_with_its_experts():
+    """checkpoints/v2 (the tenth H200 run) learned taskset_v2.PRICE_LISTS: a change to the task set's
+    knowledge (items, stores, the lists' seed) would leave it answering another world's prices. And
+    the recall lives in the experts: cut to one, it is gone (docs/QUALITY.md, the tenth run)."""
+    from zipmoe.build.routing_truncation import probe
+
+    result = probe(REPO / "checkpoints" / "v2", n=8, keeps=(8, 1), device="cpu", knowledge_only=True)
+    full, one = result["rows"]
+    assert result["n"] == full["knowledge"]["n"] == 8 and full["reading"]["n"] == 0
+    assert full["knowledge"]["prices"] >= 16 and full["knowledge"]["prices_right"] >= 0.9
+    assert one["knowledge"]["prices_right"] <= full["knowledge"]["prices_right"] - 0.5
