@@ -12,15 +12,14 @@ Two sweeps through the real server, greedy decoding:
       x rho in {0.0, 0.3, 0.5} x protect on/off, oea (k0 = 2); topk at keep 1.0 is shared with (a).
 `quick` runs topk at keep 1.0 and 0.5, top2 and sere K'=2 rho=0.5 protect on (a smoke test);
 `keep` runs sweep (a) alone on one server; `core` exactly the rows issue 18's targets read, on three
-servers (topk at keep 1.0 and 0.6, top2, sere K'=2 rho 0.5 protect on). `--set` changes any other config.pbtxt parameter on
-every server (to see what an edit to the repository would do).
+servers (topk at keep 1.0 and 0.6, top2, sere K'=2 rho 0.5 protect on). `--set` changes any other
+config.pbtxt parameter on every server (to see what an edit to the repository would do).
 One tritonserver per configuration; all examples of a setting go with --concurrency requests in
 flight, so decode batches are real. A request that fails counts as wrong and is reported. Each
 row also gives what decode routing did, from the server's counters: distinct experts per MoE
-layer-step as routed and as computed, and slots moved per generated token.
-
-`--taskset v2` asks task set v2 instead (clients/eval_taskset_v2.py: exact match and token F1
-per row, --max-tokens 48 by default).
+layer-step as routed and as computed, and slots moved per generated token. `--taskset v2` asks
+task set v2 instead (clients/eval_taskset_v2.py: exact match and token F1 per row, --max-tokens 48
+by default).
 
 Writes OUT.json (after every server, so a long run keeps what it measured), OUT.png when matplotlib
 is importable (the `bench` extra), and prints a table.
