@@ -5,15 +5,13 @@ whose recalled prices need its experts."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import REPO
 from zipmoe.build.routing_truncation import answer_nll, answer_rows, main, prices_right, truncated_routing
 from zipmoe.build.train_v2 import TaskSetV2Dataset, collate, device_pixels
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
