@@ -1,7 +1,8 @@
 """Does a trained checkpoint need its top-K experts? Teacher-forced answers with the router cut to
 its top K' at the answer tokens only, where serving's decode-time policies act.
 
-    python -m zipmoe.build.routing_truncation --checkpoint DIR [--n 64] [--keep 8,4,2] [--out F.json]
+    python -m zipmoe.build.routing_truncation --checkpoint DIR [--n 64] [--keep 8,4,2] [--knowledge-only]
+        [--out F.json]
 
 Task set v2's validation examples (`build/train_v2.py`'s dataset and batches) go through the
 Hugging Face model of the checkpoint. In every MoE layer the router's choice for the answer tokens

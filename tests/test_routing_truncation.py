@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from zipmoe.build.routing_truncation import answer_nll, answer_rows, main, prices_right, truncated_routing
+from zipmoe.build.routing_truncation import answer_nll, answer_rows, main, prices_right, probe, truncated_routing
 from zipmoe.build.train_v2 import TaskSetV2Dataset, collate, device_pixels
 
 
@@ -98,8 +98,6 @@ def test_the_committed_v2_checkpoint_recalls_the_price_lists_with_its_experts():
     """checkpoints/v2 (the tenth H200 run) learned taskset_v2.PRICE_LISTS: a change to the task set's
     knowledge (items, stores, the lists' seed) would leave it answering another world's prices. And
     the recall lives in the experts: cut to one, it is gone (docs/QUALITY.md, the tenth run)."""
-    from zipmoe.build.routing_truncation import probe
-
     result = probe(REPO / "checkpoints" / "v2", n=8, keeps=(8, 1), device="cpu", knowledge_only=True)
     full, one = result["rows"]
     assert result["n"] == full["knowledge"]["n"] == 8 and full["reading"]["n"] == 0
