@@ -136,7 +136,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tail(path: Path | None, lines: int = 60) -> str:
+def log_tail(path: Path | None, lines: int = 60) -> str:
+    """The last `lines` lines of a server log (what an error about the server shows)."""
     if path is None:
         return "(server output went to this terminal, see above)"
     try:
@@ -237,7 +238,7 @@ class TritonServer:
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"tritonserver exited with code {self.process.returncode} before ready:\n{_tail(self.log_path)}"
+                    f"tritonserver exited with code {self.process.returncode} before ready:\n{log_tail(self.log_path)}"
                 )
             try:
                 if self._request("GET", "/v2/health/ready")[0] == 200:
@@ -247,7 +248,7 @@ class TritonServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # not listening yet, or models still loading (400)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{_tail(self.log_path)}")
+                raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{log_tail(self.log_path)}")
             time.sleep(0.25)
         models = json.loads(self._request("POST", "/v2/repository/index", b"{}")[1])
         failed = [m for m in models if m.get("state") != "READY"]

@@ -1,7 +1,7 @@
 """serving.response_writer.ResponseWriter: responses delivered in order per request off the caller's
-thread, a cancelled client and a failed send reported to the engine thread, everything delivered at
-close and after it; and DecoderService's engine running ahead of a client that has not taken its
-responses yet, and answering whatever its metrics do."""
+thread, a cancelled client, a failed send and a failed cancellation check (logged) reported to the
+engine thread, everything delivered at close and after it; and DecoderService's engine running
+ahead of a client that has not taken its responses yet, and answering whatever its metrics do."""
 from __future__ import annotations
 
 import threading
@@ -54,6 +54,24 @@ def test_a_cancelled_client_is_reported_once_and_no_longer_polled():
     time.sleep(0.01)
     assert stopped == {7: CANCELLED} and writer.take_stopped() == {}
     writer.close()
+
+
+class UnaskableSink(Sink):
+    """A response sender whose is_cancelled() raises (the server could not be asked)."""
+
+    def is_cancelled(self):
+        raise RuntimeError("no answer from the server")
+
+
+def test_an_is_cancelled_that_raises_stops_the_request_and_is_logged():
+    logged = []
+    writer = ResponseWriter(threads=1, poll_s=0.001, log=logged.append)
+    writer.watch(4, UnaskableSink())
+    stopped = {}
+    wait_for(lambda: stopped.update(writer.take_stopped()) or 4 in stopped)
+    writer.close()
+    assert stopped == {4: CANCELLED}
+    assert len(logged) == 1 and "is_cancelled() failed" in logged[0] and "no answer from the server" in logged[0]
 
 
 def test_what_is_handed_over_after_close_is_still_delivered():

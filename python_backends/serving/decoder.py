@@ -111,7 +111,7 @@ class DecoderService:
                                      "visual_tokens_kept", "gpu_turn_waits", "gpu_turn_wait_us"), 0)
         self._keys = itertools.count()
         self._arrivals = 0  # requests queued so far
-        self._writer = ResponseWriter(config.response_threads)
+        self._writer = ResponseWriter(config.response_threads, log=log_error)
         self._gc = GcPauses()  # every collection stalls the engine loop: counted for the metrics
         self._thread = threading.Thread(target=self._loop, name="zipmoe-engine", daemon=True)
         self._thread.start()

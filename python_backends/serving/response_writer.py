@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .decode_request import DecodeResponse, ResponseSink
@@ -56,9 +57,9 @@ _STOP = object()
 class _Writer:
     """One thread: delivers its queue in order, and polls the requests it watches for cancellation."""
 
-    def __init__(self, name: str, poll_s: float, report):
+    def __init__(self, name: str, poll_s: float, report, log: Callable[[str], None] | None):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._poll_s, self._report = poll_s, report
+        self._poll_s, self._report, self._log = poll_s, report, log
         self._watched: dict[int, ResponseSink] = {}  # touched by this thread only
         self._gone: set[int] = set()  # keys whose client went away: their later responses are dropped
         self._polled_at = 0.0
@@ -105,21 +106,24 @@ class _Writer:
         for key, sink in list(self._watched.items()):
             try:
                 cancelled = sink.is_cancelled()
-            except Exception:  # the response sender is unusable: as good as gone
+            except Exception as e:  # the response sender is unusable: as good as gone
                 cancelled = True
+                if self._log is not None:  # said aloud: the request ends with no answer (session 28's CI failure)
+                    self._log(f"moe_decoder: is_cancelled() failed ({e!r}); the request is stopped as cancelled")
             if cancelled:
                 del self._watched[key]
                 self._report(key, CANCELLED)
 
 
 class ResponseWriter:
-    """`threads` writer threads; keys are the requests' identities (the service's Pending.key)."""
+    """`threads` writer threads; keys are the requests' identities (the service's Pending.key). log:
+    where an `is_cancelled()` that raised is reported (the request is then stopped as cancelled)."""
 
-    def __init__(self, threads: int = 4, poll_s: float = CANCEL_POLL_S):
+    def __init__(self, threads: int = 4, poll_s: float = CANCEL_POLL_S, log: Callable[[str], None] | None = None):
         self._stopped: dict[int, str] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._writers = [_Writer(f"zipmoe-responses-{i}", poll_s, self._report) for i in range(threads)]
+        self._writers = [_Writer(f"zipmoe-responses-{i}", poll_s, self._report, log) for i in range(threads)]
 
     def _put(self, key: int, item) -> None:
         writer = self._writers[key % len(self._writers)]
