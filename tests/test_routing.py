@@ -9,6 +9,8 @@ from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePo
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels.fused_moe import fused_experts_reference
 
+from test_chunked_prefill import engine
+
 E = 6
 
 
@@ -151,18 +153,11 @@ def test_a_snapshot_that_does_not_wait_reads_the_last_landed_copy():
     assert stats.snapshot(wait=False) == {k: 2 * v for k, v in one.items()}
 
 
-def small_engine(checkpoint, policy: RoutingPolicy, **cfg) -> LLMEngine:
-    eng = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
-                                             max_model_len=256, max_num_batched_tokens=64, **cfg))
-    eng.set_routing_policy(policy)
-    return eng
-
-
 def test_decode_rows_beside_a_chunk_re_route_where_their_decode_batch_would(tiny_checkpoint):
     """Truncation beside a prompt chunk (test_chunked_prefill: the tokens), routing_min_batch 2: one
     decode row keeps its top-K (as a decode step of one would), two re-route; on both paths of such a
     step (prepare_mixed, prompt_rows)."""
-    eng = small_engine(tiny_checkpoint, TruncatePolicy(k=1), routing_min_batch=2)
+    eng = engine(tiny_checkpoint, 64, policy="truncate", routing_min_batch=2)
     streams = [eng.add_request(list(range(10 + i, 20 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
                for i in range(2)]
     while not all(s.output_ids for s in streams):
@@ -180,7 +175,7 @@ def test_decode_rows_beside_a_chunk_re_route_where_their_decode_batch_would(tiny
 
 def test_a_new_policy_captures_the_prefill_pieces_again_where_per_token_changes(tiny_checkpoint):
     """The pieces route a step's decode rows or not as the policy was when they were captured."""
-    eng = small_engine(tiny_checkpoint, RoutingPolicy())
+    eng = engine(tiny_checkpoint, 12)
     eng.runner.prefill_graphs = first = PrefillGraphs(eng.model, eng.runner.kv, 40, capture=False)
     eng.set_routing_policy(OeaPolicy())  # batch-aware as topk: the same pieces
     assert eng.runner.prefill_graphs is first

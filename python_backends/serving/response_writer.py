@@ -108,7 +108,7 @@ class _Writer:
                 cancelled = sink.is_cancelled()
             except Exception as e:  # the response sender is unusable: as good as gone
                 cancelled = True
-                if self._log is not None:  # said aloud: the request ends with no answer (session 28's CI failure)
+                if self._log is not None:  # said aloud: else the request ends unanswered and leaves no trace
                     self._log(f"moe_decoder: is_cancelled() failed ({e!r}); the request is stopped as cancelled")
             if cancelled:
                 del self._watched[key]
