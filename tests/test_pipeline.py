@@ -13,7 +13,7 @@ import torch
 from zipmoe.models.io import Metrics, SyncedMetric
 from zipmoe.serving.errors import BadInput, ModelError, ServerBusy
 from zipmoe.serving.load import DEFAULT_PRIORITY, MAX_LEVEL
-from zipmoe.serving.pipeline import (METRICS, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
+from zipmoe.serving.pipeline import (METRICS, UNANSWERED, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
                                      renumber_images)
 from zipmoe.visionzip import ImageFeatures, VisionZipConfig
 
@@ -131,6 +131,13 @@ def test_relays_every_decoder_response_with_its_text_then_closes():
     assert inputs["visual_embeds"].shape == (8, WIDTH) and inputs["deepstack_embeds"].shape == (2, 8, WIDTH)
     full = ask(pipeline(Calls()), images=[b"a", b"b"], keep_ratio=1.0)
     assert full.sent[-1]["visual_tokens_kept"] == []  # relayed from the decoder as it came
+
+
+def test_a_decoder_stream_that_ends_without_an_answer_is_an_error_and_logged():
+    logged = []
+    p = QAPipeline(Calls(responses=0), PipelineConfig(), VisionZipConfig(), log_error=logged.append)
+    sink = ask(p)
+    assert sink.sent == [] and sink.error == UNANSWERED and logged == [UNANSWERED]
 
 
 def test_the_keep_ratio_follows_the_level_and_the_priority():

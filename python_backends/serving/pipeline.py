@@ -168,6 +168,9 @@ class VisionBatcher:
             start += len(images)
 
 
+UNANSWERED = "mm_qa_bls: moe_decoder ended the request without an answer"
+
+
 class QAPipeline:
     def __init__(self, calls: ModelCalls, config: PipelineConfig, visionzip: VisionZipConfig,
                  publish: Callable[[dict[str, int]], None] | None = None, log_error: Callable[[str], None] = print,
@@ -239,7 +242,8 @@ class QAPipeline:
 
     def _answer(self, request: QARequest, sink: ClientSink) -> dict | None:
         """Relays the answer; returns its last response, for the caller to send with the final flag once
-        the decoder's stream has ended (None: cancelled, or the decoder ended without one)."""
+        the decoder's stream has ended (None: the client cancelled; ModelError(UNANSWERED): the decoder
+        ended the stream without one, unasked)."""
         decoder_in = {"input_ids": self.calls.tokenize(request.question, len(request.images)), **request.decoder_inputs}
         features = self._features(request.images) if request.images else []
         # The level is read after the vision work: the latest moment before the decoder takes the request.
@@ -268,6 +272,11 @@ class QAPipeline:
         finally:
             if not finished:  # cancelled, or an error: see the module docstring
                 stream.drain()
+        if last is None and not sink.is_cancelled():
+            # moe_decoder stopped the request unasked: an empty final response would read as an answer
+            # of nothing (HTTP generate: "expects exactly 1 response"), so say so, here and in the log.
+            self._log_error(UNANSWERED)
+            raise ModelError(UNANSWERED)
         return last
 
     def _features(self, images: list[bytes]) -> list[ImageFeatures]:
