@@ -164,20 +164,25 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit
-def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr):
-    """This program's tile: its expert (-1: unused tile), its slots, and which of them are real."""
-    expert = tl.load(tile_expert_ptr + tl.program_id(0)).to(tl.int64)
-    slots = tl.load(tile_slots_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr):
+    """This program's tile: its expert (-1: unused tile), its slots, and which of them are real.
+    SLOT_TILES: tile g is slot g alone and tile_expert_ptr the routing ids themselves (no align)."""
+    g = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + g).to(tl.int64)
+    if SLOT_TILES:
+        slots = tl.where(tl.arange(0, BLOCK_M) == 0, g, S)
+    else:
+        slots = tl.load(tile_slots_ptr + g * BLOCK_M + tl.arange(0, BLOCK_M))
     return expert, slots, slots < S
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, PDL: tl.constexpr):
+                    PRECISION: tl.constexpr, SLOT_TILES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pid_n = tl.program_id(1)
-    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
+    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
     if expert < 0:
         return
     tokens = (slots // TOP_K).to(tl.int64)
@@ -205,10 +210,10 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr):
+                 SLOT_TILES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pid_n = tl.program_id(1)
-    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M)
+    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
     if expert < 0:
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -229,11 +234,12 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
 
 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                            gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                            gate_up: torch.Tensor, down: torch.Tensor, distinct_ids: bool = False) -> torch.Tensor:
     """Loop over the experts the batch activates (its union); each reads its weights once.
 
     x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H]; down [E, H, I]. A token routed twice to the
-    same expert gets both weights (policies may create duplicates).
+    same expert gets both weights (policies may create duplicates). distinct_ids: the kernels' hint
+    (`fused_experts_with_config`), which changes nothing here.
     """
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
@@ -246,23 +252,29 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
 
 def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                              down: torch.Tensor, config: MoeConfig | None = None,
-                              sum_slots: bool = True) -> torch.Tensor:
+                              down: torch.Tensor, config: MoeConfig | None = None, sum_slots: bool = True,
+                              distinct_ids: bool = False) -> torch.Tensor:
     """`fused_experts` with the tile shape given (None: `pick_config`'s); sum_slots False: the
-    weighted slot outputs [T, K, H] unsummed (`fused_experts_per_slot`)."""
+    weighted slot outputs [T, K, H] unsummed (`fused_experts_per_slot`). distinct_ids: the caller
+    knows no token repeats an expert (the router's own top-K); a single such token needs no align,
+    its K slots being K tiles already (one launch fewer a layer at batch 1)."""
     T, H = x.shape
     K = ids.shape[1]
     E, two_i, _ = gate_up.shape
     I = two_i // 2
     S = T * K
     cfg = config or pick_config(T, E, H, I, x.element_size())
-    tile_slots, tile_expert = moe_align(ids, E, cfg.block_m)
+    slot_tiles = distinct_ids and T == 1
+    if slot_tiles:  # the kernels read each tile's expert from the ids; a repeated one would be read twice
+        tile_slots, tile_expert = ids, ids.reshape(-1)
+    else:
+        tile_slots, tile_expert = moe_align(ids, E, cfg.block_m)
     G = tile_expert.numel()
     hidden = torch.empty(S, I, dtype=x.dtype, device=x.device)
     per_slot = torch.empty(S, H, dtype=x.dtype, device=x.device)
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   # float32 weights (tests, the tiny model on CUDA) match the float32 reference, not TF32.
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SLOT_TILES=slot_tiles,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     _gate_up_kernel[(G, triton.cdiv(I, cfg.block_n))](
         x.contiguous(), gate_up, hidden, tile_slots, tile_expert, S, H, I, TOP_K=K, **launch)
@@ -288,13 +300,14 @@ def _(x, ids, weights, gate_up, down):
 
 @torch.library.custom_op("zipmoe::fused_experts_per_slot", mutates_args=())
 def fused_experts_per_slot(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                           down: torch.Tensor) -> torch.Tensor:
+                           down: torch.Tensor, distinct_ids: bool = False) -> torch.Tensor:
     """`fused_experts` without its last launch, the sum over each token's K slots: [T, K, H], each
-    slot's expert output times its routing weight. The engine hands it to `layer_ops.add_rms_norm`,
-    which sums the slots in the same pass as the residual add."""
-    return fused_experts_with_config(x, ids, weights, gate_up, down, sum_slots=False)
+    slot's expert output times its routing weight. The engine hands it to the next layer's input
+    norm, which sums the slots in the same pass as the residual add. distinct_ids: as in
+    `fused_experts_with_config`."""
+    return fused_experts_with_config(x, ids, weights, gate_up, down, sum_slots=False, distinct_ids=distinct_ids)
 
 
 @fused_experts_per_slot.register_fake
-def _(x, ids, weights, gate_up, down):
+def _(x, ids, weights, gate_up, down, distinct_ids=False):
     return x.new_empty(x.shape[0], ids.shape[1], x.shape[1])

@@ -10,8 +10,8 @@ weights. Each function here is one launch:
 - `add_rms_norm`: residual add + RMSNorm (the residual stream and the normed input in one pass),
   summing a MoE layer's K slot outputs on the way (`fused_moe.fused_experts_per_slot`);
 - `qk_norm_rope_cache`: per-head RMSNorm of q and k, rotary embedding, and the K/V cache write;
-- `topk_softmax`: router softmax -> top-K -> renormalisation;
-- `router`: the router's GEMM and `topk_softmax` together, at decode batch sizes.
+- `topk_softmax`: router softmax -> top-K -> renormalisation (the router's GEMM with it in one
+  launch: `router.py`).
 
 Each `name` is the launch the engine calls on CUDA; `name_reference` beside it is the plain
 PyTorch version with the same signature, which the engine runs elsewhere (`apply_rope` is a piece
@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .dependent_launch import launch_options, wait_for_inputs
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
@@ -53,24 +52,44 @@ def sum_slots(delta: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def residual_sum(h_ptr, delta_ptr, cols, mask, N, SLOTS: tl.constexpr):
+    """h + delta at `cols` of one token's row of N: delta's SLOTS rows summed in float32 and rounded
+    once, as `sum_slots` rounds, then added in h's dtype, as `add_rms_norm_reference` adds. Also the
+    prologue of the kernels that take a layer's input norm in (`router.py`, `qkv_norm_rope.py`)."""
+    h = tl.load(h_ptr + cols, mask=mask, other=0.0)
+    delta = tl.load(delta_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, SLOTS):
+        delta += tl.load(delta_ptr + j * N + cols, mask=mask, other=0.0).to(tl.float32)
+    return (h.to(tl.float32) + delta.to(h.dtype).to(tl.float32)).to(h.dtype)
+
+
+@triton.jit
+def inverse_rms(row, N, eps):
+    """1 / RMS of a whole row (float32 statistics, padding lanes zero)."""
+    r32 = row.to(tl.float32)
+    return tl.rsqrt(tl.sum(r32 * r32, axis=0) / N + eps)
+
+
+@triton.jit
+def scaled(row, inv, w):
+    """RMSNorm's output from the row, its `inverse_rms` and the weight, rounded as the reference rounds."""
+    return (w.to(tl.float32) * (row.to(tl.float32) * inv).to(row.dtype).to(tl.float32)).to(row.dtype)
+
+
+@triton.jit
 def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
                          HAS_DELTA: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
-    h = tl.load(h_ptr + row * N + cols, mask=ok, other=0.0)
     if HAS_DELTA:
-        # delta's SLOTS rows of this token summed in float32 and rounded once, as `sum_slots` rounds.
-        delta = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(SLOTS):
-            delta += tl.load(delta_ptr + (row * SLOTS + j) * N + cols, mask=ok, other=0.0).to(tl.float32)
-        h = (h.to(tl.float32) + delta.to(h.dtype).to(tl.float32)).to(h.dtype)
+        h = residual_sum(h_ptr + row * N, delta_ptr + row * SLOTS * N, cols, ok, N, SLOTS)
         tl.store(h_out_ptr + row * N + cols, h, mask=ok)
-    h32 = h.to(tl.float32)
-    normed = (h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / N + eps)).to(h.dtype)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    tl.store(x_out_ptr + row * N + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(h.dtype), mask=ok)
+    else:
+        h = tl.load(h_ptr + row * N + cols, mask=ok, other=0.0)
+    x = scaled(h, inverse_rms(h, N, eps), tl.load(w_ptr + cols, mask=ok, other=0.0))
+    tl.store(x_out_ptr + row * N + cols, x, mask=ok)
 
 
 def _launch_norm(h, delta, weight, eps, h_out, x_out):
@@ -201,10 +220,10 @@ def topk_softmax_reference(logits: torch.Tensor, top_k: int, normalize: bool,
 
 
 @triton.jit
-def _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.constexpr, K: tl.constexpr,
+def store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.constexpr, K: tl.constexpr,
                         E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
     """Router logits [R, E_PAD] (float32) of token rows `rows` [R] -> their softmax, top-K ids and
-    weights, stored; columns past E and rows past T are masked out. Shared by both router kernels."""
+    weights, stored; columns past E and rows past T are masked out. Shared with the one-launch router (`router.py`)."""
     e = tl.arange(0, E_PAD)
     ok = (rows[:, None] < T) & (e[None, :] < E)
     logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out below)
@@ -234,7 +253,7 @@ def _topk_softmax_kernel(logits_ptr, probs_ptr, ids_ptr, w_ptr, T, E, K: tl.cons
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # one token a program
     e = tl.arange(0, E_PAD)
     logit = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=e[None, :] < E, other=0.0).to(tl.float32)
-    _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, 1, K, E_PAD, K_PAD, NORMALIZE)
+    store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, 1, K, E_PAD, K_PAD, NORMALIZE)
 
 
 @torch.library.custom_op("zipmoe::topk_softmax", mutates_args=())
@@ -264,99 +283,3 @@ def router_reference(x: torch.Tensor, gate: torch.Tensor, top_k: int,
     """The router: logits x @ gate.T in x's dtype, softmax in float32 -> (probs [T, E], top-K ids
     sorted by score, weights in x's dtype, renormalised to sum 1 when asked)."""
     return topk_softmax_reference(F.linear(x, gate), top_k, normalize, x.dtype)
-
-
-ROUTER_BLOCK_T = 16  # tokens per program (tl.dot's smallest tile)
-ROUTER_BLOCK_E = 16  # experts per program
-ROUTER_BLOCK_H = 128  # hidden columns per loop iteration
-# Decode reads the gate (128 x 2048 bf16: 512 kB) from few token tiles, and one program's loads
-# wait ~1 us each: session 18's profile gave 11 us a layer to 8 programs walking H in 16 steps.
-# So H is split too, until about ROUTER_PROGRAMS programs each read a few kB at once; the splits'
-# float32 partial logits are summed by the last program of the tile, at most ROUTER_MAX_SPLIT
-# loads from L2.
-ROUTER_PROGRAMS = 64
-ROUTER_MAX_SPLIT = 8
-ROUTER_GROUPS = 16  # arrival counters, one per token tile: `fused_router` serves up to 256 tokens
-# `router` takes the one launch up to this many tokens and cuBLAS's GEMM then `topk_softmax` above.
-# Session 19 (`bench_kernels --parts router`, per layer): 7.7 / 8.1 us against 8.0 / 8.2 at 1 and
-# 16 tokens, but 9.2 / 11.9 against 8.5 / 8.5 at 64 and 128.
-ROUTER_MAX_T = 16
-
-
-def router_split(T: int, H: int, E: int) -> int:
-    """How many programs share one (token tile, expert block)'s hidden dimension."""
-    tiles = triton.cdiv(T, ROUTER_BLOCK_T) * triton.cdiv(E, ROUTER_BLOCK_E)
-    return max(1, min(ROUTER_PROGRAMS // tiles, ROUTER_MAX_SPLIT, triton.cdiv(H, ROUTER_BLOCK_H)))
-
-
-@triton.jit
-def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, T, H, E, H_PER_SPLIT,
-                   K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
-                   MAX_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    # Program (tile, expert block, split) sums BLOCK_T x BLOCK_E logits over its H_PER_SPLIT hidden
-    # columns in float32; the last program of a token tile to check in (`kernels/arrivals.py`) sums
-    # the splits, rounds to x's dtype as F.linear rounds its logits, and does topk_softmax's work
-    # on them. One launch, where the GEMM and the top-K were two.
-    tile, eb, split, split_count = tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2)
-    rows = (tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    experts = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(split * H_PER_SPLIT, tl.minimum((split + 1) * H_PER_SPLIT, H), BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        xs = tl.load(x_ptr + rows[:, None] * H + h[None, :], mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0)
-        gs = tl.load(gate_ptr + experts[:, None] * H + h[None, :], mask=(experts[:, None] < E) & (h[None, :] < H),
-                     other=0.0)
-        acc += tl.dot(xs, tl.trans(gs), input_precision=DOT_PRECISION)
-    tl.store(partial_ptr + (split * T + rows[:, None]) * E + experts[None, :], acc,
-             mask=(rows[:, None] < T) & (experts[None, :] < E))
-    if last_to_arrive(arrivals_ptr + tile, tl.num_programs(1) * split_count):
-        e = tl.arange(0, E_PAD)
-        logit = sum_splits(partial_ptr, rows, e, T, E, split_count, (rows[:, None] < T) & (e[None, :] < E), MAX_SPLIT)
-        logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
-        _store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
-
-
-def fused_router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
-                 normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`router_reference`'s contract in one launch, up to ROUTER_GROUPS token tiles (ties: the
-    lowest expert id first). `router` calls it where it was measured faster."""
-    T, H = x.shape
-    E = gate.shape[0]
-    if triton.cdiv(T, ROUTER_BLOCK_T) > ROUTER_GROUPS:
-        raise ValueError(f"fused_router serves at most {ROUTER_GROUPS * ROUTER_BLOCK_T} tokens, got {T}")
-    probs = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
-    if T:
-        split = router_split(T, H, E)
-        partial = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(T, ROUTER_BLOCK_T), triton.cdiv(E, ROUTER_BLOCK_E), split)
-        arrivals = arrival_counters("router", x.device, ROUTER_GROUPS)
-        h_per_split = split_width(H, split, ROUTER_BLOCK_H)
-        _router_kernel[grid](x.contiguous(), gate.contiguous(), partial, arrivals, probs, ids, weights, T, H, E,
-                             h_per_split, K=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
-                             NORMALIZE=normalize, MAX_SPLIT=ROUTER_MAX_SPLIT, BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E,
-                             BLOCK_H=ROUTER_BLOCK_H,
-                             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
-                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-                             **launch_options(x.device))
-    return probs, ids, weights
-
-
-@torch.library.custom_op("zipmoe::router", mutates_args=())
-def router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
-           normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `router_reference`: `fused_router` up to ROUTER_MAX_T tokens, the GEMM then
-    `topk_softmax` above."""
-    if x.shape[0] > ROUTER_MAX_T:
-        return topk_softmax(F.linear(x, gate), top_k, normalize, x.dtype)
-    return fused_router(x, gate, top_k, normalize)
-
-
-@router.register_fake
-def _(x, gate, top_k, normalize):
-    T, E = x.shape[0], gate.shape[0]
-    return (x.new_empty(T, E, dtype=torch.float32), x.new_empty(T, top_k, dtype=torch.int64),
-            x.new_empty(T, top_k))

@@ -11,7 +11,14 @@ normed and rotated into the output, k normed and rotated into the cache, v copie
 launch where there were two, up to 16 tokens; the engine takes it where it was measured faster
 (QKV_MAX_T), cuBLAS's GEMM and `qk_norm_rope_cache` elsewhere.
 
-Called by `engine/model.py` at the start of each layer's attention (`ops.qkv_norm_rope_cache`).
+For one token the launch also takes the layer's input norm in (`add_norm_qkv`): each program adds
+the residual stream and the MoE layer's slot outputs before it, takes the whole row's RMS (36 kB
+from L2 at the 30B shape), and norms its own share of the input. One launch fewer a layer: the
+step was 80-95 us faster at batch 1 than with `layer_ops.add_rms_norm` apart (session 30), though
+the kernel alone is 0.5 us slower than the two.
+
+Called by `engine/model.py` at the start of each layer's attention: `ops.add_norm_qkv` after the
+layer before, `ops.qkv_norm_rope_cache` for the first layer and steps with DeepStack features.
 """
 from __future__ import annotations
 
@@ -20,7 +27,8 @@ import torch.nn.functional as F
 
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .dependent_launch import launch_options, wait_for_inputs
-from .layer_ops import qk_norm_rope_cache, qk_norm_rope_cache_reference
+from .layer_ops import (add_rms_norm, add_rms_norm_reference, inverse_rms, qk_norm_rope_cache,
+                        qk_norm_rope_cache_reference, residual_sum, scaled)
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -45,9 +53,10 @@ def qkv_norm_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, q_norm:
 
 @triton.jit
 def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                          slots_ptr, q_out_ptr, T, K, K_PER_SPLIT, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                          D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                          slots_ptr, q_out_ptr, h_ptr, delta_ptr, norm_ptr, h_out_ptr, T, K, K_PER_SPLIT, eps,
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr, ADD_NORM: tl.constexpr, SLOTS: tl.constexpr,
+                          K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     head, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     NCOLS: tl.constexpr = (HQ + 2 * HKV) * D
@@ -55,11 +64,26 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
     rows = tl.arange(0, BLOCK_T).to(tl.int64)
     d = tl.arange(0, D)
     cols = head * D + d
+    if ADD_NORM:
+        # One token: x = rms_norm(h + delta) is made here, as `layer_ops.add_rms_norm` makes it
+        # (delta: the MoE layer's SLOTS slot outputs, summed on the way). Every program takes the
+        # row's statistics; the first head's programs store their columns of h + delta (h_out).
+        whole_row = tl.arange(0, K_PAD)
+        row_inv = inverse_rms(residual_sum(h_ptr, delta_ptr, whole_row, whole_row < K, K, SLOTS), K, eps)
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, tl.minimum((split + 1) * K_PER_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K), other=0.0)
+        # The weights first: their loads need nothing computed here, and go out before the stores below.
         ws = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < K, other=0.0)
+        if ADD_NORM:
+            res_part = residual_sum(h_ptr, delta_ptr, k, k < K, K, SLOTS)
+            if head == 0:
+                tl.store(h_out_ptr + k, res_part, mask=k < K)
+            x_part = scaled(res_part, row_inv, tl.load(norm_ptr + k, mask=k < K, other=0.0))
+            xs = tl.where(rows[:, None] == 0, x_part.to(tl.float32)[None, :], 0.0).to(x_part.dtype)
+        else:
+            xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K),
+                         other=0.0)
         acc += tl.dot(xs, tl.trans(ws), input_precision=DOT_PRECISION)
     row_ok = rows[:, None] < T
     tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
@@ -95,8 +119,11 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
 
 def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """`qkv_norm_rope_cache_reference`'s contract in one launch, up to QKV_BLOCK_T tokens."""
+                              slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+                              norm_inputs=None) -> torch.Tensor:
+    """`qkv_norm_rope_cache_reference`'s contract in one launch, up to QKV_BLOCK_T tokens.
+    norm_inputs (h, delta, norm weight, h_out): one token whose x the kernel makes itself
+    (`fused_add_norm_qkv`); x is then only its shape and dtype."""
     T, K = x.shape
     D = q_norm.shape[0]
     heads = num_heads + 2 * num_kv_heads
@@ -114,10 +141,13 @@ def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: tor
         split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(K, QKV_BLOCK_K)))
         k_per_split = split_width(K, split, QKV_BLOCK_K)
         partial = torch.empty(split, T, heads * D, dtype=torch.float32, device=x.device)
+        h, delta, norm, h_out = norm_inputs or (x, x, x, x)
         _qkv_norm_rope_kernel[(heads, split)](
             x.contiguous(), weight.contiguous(), partial, arrival_counters("qkv_norm_rope", x.device, QKV_MAX_HEADS),
-            q_norm, k_norm, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, q, T, K, k_per_split, eps,
-            HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_T=QKV_BLOCK_T, BLOCK_K=QKV_BLOCK_K, MAX_SPLIT=QKV_MAX_SPLIT,
+            q_norm, k_norm, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, q, h, delta, norm, h_out,
+            T, K, k_per_split, eps, HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_T=QKV_BLOCK_T, BLOCK_K=QKV_BLOCK_K,
+            MAX_SPLIT=QKV_MAX_SPLIT, ADD_NORM=norm_inputs is not None,
+            SLOTS=delta.shape[1] if delta.dim() == 3 else 1, K_PAD=triton.next_power_of_2(K),
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2,  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory
@@ -141,3 +171,48 @@ def qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Ten
 @qkv_norm_rope_cache.register_fake
 def _(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads, num_kv_heads):
     return x.new_empty(x.shape[0], num_heads, q_norm.shape[0])
+
+
+def add_norm_qkv_reference(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
+                           q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float,
+                           num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's start: (h + delta, q) with q as `qkv_norm_rope_cache_reference` gives it for
+    x = rms_norm(h + delta); delta [T, H], or [T, K, H] (the MoE layer before's slot outputs)."""
+    h, x = add_rms_norm_reference(h, delta, norm, eps)
+    return h, qkv_norm_rope_cache_reference(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
+                                            num_heads, num_kv_heads)
+
+
+def fused_add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
+                       q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float, num_heads: int,
+                       num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm_qkv_reference`'s contract in one launch, for one token."""
+    if h.shape[0] != 1 or delta.shape[0] != 1 or delta.shape[-1] != h.shape[1]:
+        raise ValueError(f"fused_add_norm_qkv serves one token's row, got h {tuple(h.shape)}, delta "
+                         f"{tuple(delta.shape)}")
+    h_out = torch.empty_like(h)
+    q = fused_qkv_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads,
+                                  num_kv_heads, (h.contiguous(), delta.contiguous(), norm, h_out))
+    return h_out, q
+
+
+@torch.library.custom_op("zipmoe::add_norm_qkv", mutates_args=("k_cache", "v_cache"))
+def add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
+                 q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float, num_heads: int,
+                 num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `add_norm_qkv_reference`: one launch up to QKV_MAX_T tokens (one), else
+    `layer_ops.add_rms_norm` then `qkv_norm_rope_cache` above."""
+    if h.shape[0] <= QKV_MAX_T:
+        return fused_add_norm_qkv(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
+                                  num_heads, num_kv_heads)
+    h, x = add_rms_norm(h, delta, norm, eps)
+    return h, qkv_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads,
+                                  num_kv_heads)
+
+
+@add_norm_qkv.register_fake
+def _(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads, num_kv_heads):
+    return torch.empty_like(h), h.new_empty(h.shape[0], num_heads, q_norm.shape[0])

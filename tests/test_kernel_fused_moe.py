@@ -63,6 +63,26 @@ def test_fused_experts_matches_reference(T, E, K, H, I, dup):
     assert torch.equal(per_slot.sum(dim=1), fused_experts(x, ids, w, gate_up, down))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dup", [False, True])
+def test_one_token_with_distinct_ids_skips_the_align(device, dup, monkeypatch):
+    """One token whose ids the caller calls distinct: each slot is its own tile, no align launch,
+    and the same slot outputs as the aligned path. A repeated id (a caller's wrong hint) is still
+    right, its expert merely read twice."""
+    import zipmoe.kernels.fused_moe as fm
+
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x, ids, w, gate_up, down = _case(1, 16, 4, 64, 32, dt, device, duplicates=dup)
+    aligned = fused_experts_per_slot(x, ids, w, gate_up, down)
+    monkeypatch.setattr(fm, "moe_align", lambda *a: pytest.fail("aligned a single token's distinct ids"))
+    direct = fused_experts_per_slot(x, ids, w, gate_up, down, distinct_ids=True)
+    assert torch.equal(direct, aligned)
+    monkeypatch.undo()
+    x, ids, w, gate_up, down = _case(3, 16, 4, 64, 32, dt, device)
+    assert torch.equal(fused_experts_per_slot(x, ids, w, gate_up, down, distinct_ids=True),
+                       fused_experts_per_slot(x, ids, w, gate_up, down))  # more tokens: aligned as ever
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 16, 64, 128, 1000])
 @pytest.mark.parametrize("dup", [False, True])

@@ -1,12 +1,13 @@
-"""The attention's q/k/v projection + q/k norm + RoPE + cache write in one launch, against its
-reference (CPU: Triton's interpreter, float32; GPU: bf16 at Qwen3-30B-A3B's shape, and in a CUDA graph)."""
+"""The attention's q/k/v projection + q/k norm + RoPE + cache write in one launch (for one token
+with the residual add and input norm before it), against its reference (CPU: Triton's interpreter, float32; GPU: bf16 at Qwen3-30B-A3B's shape, and in a CUDA graph)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from zipmoe.engine.rope import MRope
-from zipmoe.kernels.qkv_norm_rope import (QKV_BLOCK_T, QKV_MAX_T, fused_qkv_norm_rope_cache, qkv_norm_rope_cache,
+from zipmoe.kernels.qkv_norm_rope import (QKV_BLOCK_T, QKV_MAX_T, add_norm_qkv, add_norm_qkv_reference,
+                                         fused_add_norm_qkv, fused_qkv_norm_rope_cache, qkv_norm_rope_cache,
                                          qkv_norm_rope_cache_reference)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -72,6 +73,60 @@ def test_qkv_norm_rope_cache_rounds_where_the_two_launches_round():
     want = qk_norm_rope_cache(torch.nn.functional.linear(x, w), qn, kn, cos, sin, caches[2], caches[3], slots,
                               1e-6, 4, 2)
     assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def _add_norm_case(device, T, hidden, slots_per_token):
+    """h [T, hidden], delta [T, hidden] or [T, K, hidden] (a MoE layer's slot outputs), norm weight."""
+    g = torch.Generator().manual_seed(hidden + slots_per_token)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    h = torch.randn(T, hidden, generator=g).to(device, dt)
+    shape = (T, hidden) if slots_per_token == 0 else (T, slots_per_token, hidden)
+    delta = (torch.randn(*shape, generator=g) * 0.3).to(device, dt)
+    return h, delta, (torch.rand(hidden, generator=g) + 0.5).to(device, dt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,hidden,hq,hkv,d,slots_per_token", [(1, 96, 4, 2, 16, 0), (1, 1100, 4, 2, 16, 8),
+                                                               (1, 64, 2, 1, 16, 3), (QKV_MAX_T + 2, 96, 4, 2, 16, 4)])
+@pytest.mark.parametrize("impl", [fused_add_norm_qkv, add_norm_qkv], ids=["fused", "op"])
+def test_add_norm_qkv_matches_reference(device, T, hidden, hq, hkv, d, slots_per_token, impl):
+    """The residual add (the slot sum on the way) and the input norm made inside the q/k/v launch
+    for one token, the input width split unevenly; the op past one token: the norm, then q/k/v."""
+    if impl is fused_add_norm_qkv and T > 1:
+        pytest.skip("the one launch serves one token")
+    _, w, qn, kn, cos, sin, slots, dt = _case(device, T, hidden, hq, hkv, d)
+    h, delta, norm = _add_norm_case(device, T, hidden, slots_per_token)
+    caches = [torch.zeros(64, hkv, d, dtype=dt, device=device) for _ in range(4)]
+    want = add_norm_qkv_reference(h, delta, norm, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, hq, hkv)
+    tol = {} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for _ in range(2):  # twice: the arrival counters must be back at zero
+        got = impl(h, delta, norm, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, hq, hkv)
+        torch.testing.assert_close(got[0], want[0], **({} if slots_per_token < 2 else tol))
+        torch.testing.assert_close(got[1], want[1], **tol)
+        torch.testing.assert_close(caches[0], caches[2], **tol)
+        torch.testing.assert_close(caches[1], caches[3], **tol)
+
+
+@pytest.mark.parametrize("T", [QKV_MAX_T, QKV_MAX_T + 1])
+def test_add_norm_qkv_op_schema_and_fake(T):
+    _, w, qn, kn, cos, sin, slots, _ = _case("cpu", T, 32, 2, 1, 16)
+    h, delta, norm = _add_norm_case("cpu", T, 32, 4)
+    k_cache, v_cache = (torch.zeros(64, 1, 16) for _ in range(2))
+    torch.library.opcheck(torch.ops.zipmoe.add_norm_qkv.default,
+                          (h, delta, norm, w, qn, kn, cos, sin, k_cache, v_cache, slots, 1e-6, 2, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots_per_token", [0, 8])
+def test_add_norm_qkv_30b_shape(slots_per_token):
+    _, w, qn, kn, cos, sin, slots, dt = _case("cuda", 1, 2048, 32, 4, 128)
+    h, delta, norm = _add_norm_case("cuda", 1, 2048, slots_per_token)
+    caches = [torch.zeros(64, 4, 128, dtype=dt, device="cuda") for _ in range(4)]
+    got = fused_add_norm_qkv(h, delta, norm, w, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, 32, 4)
+    want = add_norm_qkv_reference(h, delta, norm, w, qn, kn, cos, sin, caches[2], caches[3], slots, 1e-6, 32, 4)
+    for a, b in zip(got + (caches[0], caches[1]), want + (caches[2], caches[3])):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("T", [QKV_MAX_T, QKV_MAX_T + 2])

@@ -1,19 +1,20 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,router,qkv,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,qkv,one_token,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
 - sere: the re-route kernel per layer-step, as the engine launches it and in other launch shapes,
   vs the reference's device ops (all in a graph).
-- router: the router's GEMM and top-K in one launch (`layer_ops.fused_router`) vs cuBLAS's GEMM
-  then `topk_softmax`, 48 layers' gates in a graph, per layer. `layer_ops.router` takes the faster
+- router: the router's GEMM and top-K in one launch (`router.fused_router`) vs cuBLAS's GEMM
+  then `topk_softmax`, 48 layers' gates in a graph, per layer. `router.router` takes the faster
   of the two per batch size (ROUTER_MAX_T), from this part's numbers.
 - qkv: the q/k/v projection, q/k norm, RoPE and cache write in one launch
   (`fused_qkv_norm_rope_cache`) vs cuBLAS's GEMM then `qk_norm_rope_cache`, the same way; likewise
   behind QKV_MAX_T. Both fused kernels also without PDL ("triton, no PDL"): their own time,
   not overlapped with the next layer's launch.
+- one_token: a batch-1 step's fused kernels vs the launches they replaced: bench_one_token.py.
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
@@ -41,9 +42,10 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels.layer_ops import fused_router, qk_norm_rope_cache, topk_softmax
+from zipmoe.kernels.layer_ops import qk_norm_rope_cache, topk_softmax
 from zipmoe.kernels import dependent_launch
 from zipmoe.kernels.qkv_norm_rope import fused_qkv_norm_rope_cache
+from zipmoe.kernels.router import fused_router
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 from zipmoe.checkpoint import TextConfig
@@ -345,6 +347,9 @@ def main(argv=None) -> int:
             save(bench_router())
         if "qkv" in parts:
             save(bench_qkv())
+        if "one_token" in parts:
+            from .bench_one_token import bench_one_token
+            save(bench_one_token())
         if "importance" in parts:
             from .bench_importance import bench_importance
             save(bench_importance("cuda"))

@@ -24,24 +24,29 @@ from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
+from ..kernels.gemv import linear, linear_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from ..kernels.qkv_norm_rope import qkv_norm_rope_cache, qkv_norm_rope_cache_reference
+from ..kernels.qkv_norm_rope import (add_norm_qkv, add_norm_qkv_reference, qkv_norm_rope_cache,
+                                     qkv_norm_rope_cache_reference)
+from ..kernels.router import add_norm_router, add_norm_router_reference
 from .routing import RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
-# `experts` may leave a MoE layer's K slot outputs unsummed ([T, K, H], the kernels): add_rms_norm
-# sums them in its pass, one launch fewer per layer; `sum_slots` wherever no such pass follows.
-# The attention's input projection comes with its q/k norms, RoPE and cache writes (one launch for
-# a single token); its output projection is cuBLAS's, then the residual add and the MoE's input
-# norm in one pass (two one-launch versions measured slower: docs/PERFORMANCE.md).
+# A layer is, at one token, six launches: q/k/v with its norms, RoPE and cache writes; the paged
+# attention; the output projection (`linear`); the residual add and the MoE's input norm with the
+# router (`add_norm_router`); the two expert GEMMs, which leave the K slot outputs unsummed
+# ([T, K, H]) and, for the router's own distinct top-K of one token, need no align. The next
+# layer's `add_norm_qkv` sums the slots with the residual add and its input norm. At more tokens
+# each fused step falls back to its parts where those were measured faster (docs/PERFORMANCE.md).
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
-                          qkv_norm_rope_cache=qkv_norm_rope_cache, router=layer_ops.router,
-                          experts=fused_experts_per_slot, decode_attention=paged_decode_attention)
+                          qkv_norm_rope_cache=qkv_norm_rope_cache, add_norm_qkv=add_norm_qkv, linear=linear,
+                          add_norm_router=add_norm_router, experts=fused_experts_per_slot,
+                          decode_attention=paged_decode_attention)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
-                            qkv_norm_rope_cache=qkv_norm_rope_cache_reference,
-                            router=layer_ops.router_reference, experts=fused_experts_reference,
-                            decode_attention=paged_decode_attention_reference)
+                            qkv_norm_rope_cache=qkv_norm_rope_cache_reference, add_norm_qkv=add_norm_qkv_reference,
+                            linear=linear_reference, add_norm_router=add_norm_router_reference,
+                            experts=fused_experts_reference, decode_attention=paged_decode_attention_reference)
 
 
 @dataclass
@@ -188,20 +193,23 @@ class Qwen3VLMoeTextDecoder:
                    step: StepInputs, kv: KVCache, routing: list, inject: Callable | None = None):
         """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or (h, None)
         after the last layer. inject(h) -> h: the layer's DeepStack features added (the first layers)."""
-        ops, eps = self.ops, self.cfg.rms_norm_eps
-        h, x = ops.add_rms_norm(h, F.linear(attn, layer.o), layer.post_norm, eps)
-        out = self._moe(layer, x, step, routing) if layer.is_moe else self._mlp(layer, x)
-        if nxt is not None and inject is None:
-            # The residual add (and the MoE's slot sum) and the next layer's input norm in one pass.
-            h, x = ops.add_rms_norm(h, out, nxt.input_norm, eps)
+        ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps
+        o = ops.linear(attn, layer.o)
+        if layer.is_moe:
+            h, out = self._moe(layer, h, o, step, routing)
         else:
-            h = h + layer_ops.sum_slots(out)
-            if inject is not None:
-                h = inject(h)
-            if nxt is None:
-                return h, None
-            x = ops.rms_norm(h, nxt.input_norm, eps)
-        return h, self._qkv(nxt, x, cos, sin, step, kv)
+            h, x = ops.add_rms_norm(h, o, layer.post_norm, eps)
+            out = self._mlp(layer, x)
+        if nxt is not None and inject is None:
+            # The residual add (and the MoE's slot sum), the next layer's input norm and its q/k/v.
+            return ops.add_norm_qkv(h, out, nxt.input_norm, nxt.qkv, nxt.q_norm, nxt.k_norm, cos, sin, kv.k[nxt.idx],
+                                    kv.v[nxt.idx], step.slots, eps, cfg.num_heads, cfg.num_kv_heads)
+        h = h + layer_ops.sum_slots(out)
+        if inject is not None:
+            h = inject(h)
+        if nxt is None:
+            return h, None
+        return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), vocab] of the final hidden states' chosen rows."""
@@ -243,28 +251,30 @@ class Qwen3VLMoeTextDecoder:
                                                               step.context_lens, kv.block_size, self.scale)
         return out.reshape(T, -1)
 
-    def _moe(self, layer: Layer, x: torch.Tensor, step: StepInputs,
-             routing: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Router, the policy (decode steps: appends (router's ids, ids computed) to `routing`; steps
-        with prompt chunks: a per-token policy at the rows `step.opt_out` leaves it), experts: [T, H],
-        or [T, K, H] slot outputs still to be summed (`ops.experts` of KERNELS)."""
+    def _moe(self, layer: Layer, h: torch.Tensor, attn_out: torch.Tensor, step: StepInputs,
+             routing: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the MoE's input norm with its router, the policy (decode steps:
+        appends (router's ids, ids computed) to `routing`; steps with prompt chunks: a per-token
+        policy at the rows `step.opt_out` leaves it), the experts: (h, out), out [T, H] or [T, K, H]
+        slot outputs still to be summed (`ops.experts` of KERNELS)."""
+        cfg = self.cfg
+        h, x, probs, ids, weights = self.ops.add_norm_router(h, attn_out, layer.post_norm, layer.gate, cfg.top_k,
+                                                             cfg.norm_topk_prob, cfg.rms_norm_eps)
         if self.moe_input_hook is not None:
             self.moe_input_hook(layer.idx, x)
-        probs, ids, weights = self.ops.router(x, layer.gate, self.cfg.top_k, self.cfg.norm_topk_prob)
+        router_ids = ids
         if not step.is_prefill:
-            routed, weights = ids, weights
             if x.shape[0] >= self.routing_min_batch:
-                routed, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
-            routing.append((ids, routed))
-            ids = routed
+                ids, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
+            routing.append((router_ids, ids))
         elif step.opt_out is not None and self.policy.per_token:
             ids, weights = self.policy.route(layer.idx, probs, ids, weights, step.opt_out)
         if self.shard is None:
-            return self.ops.experts(x, ids, weights, layer.gate_up, layer.down)
+            return h, self.ops.experts(x, ids, weights, layer.gate_up, layer.down, distinct_ids=ids is router_ids)
         # Every process routed the same tokens the same way (the policy saw the global routing); each
         # computes its own experts' share and the shares are summed across processes.
         ids, weights = self.shard.localize(ids, weights)
-        return self.shard.reduce(layer_ops.sum_slots(self.ops.experts(x, ids, weights, layer.gate_up, layer.down)))
+        return h, self.shard.reduce(layer_ops.sum_slots(self.ops.experts(x, ids, weights, layer.gate_up, layer.down)))
 
     @staticmethod
     def _mlp(layer: Layer, x: torch.Tensor) -> torch.Tensor:

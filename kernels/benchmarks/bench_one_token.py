@@ -1,0 +1,50 @@
+"""The one-token kernels of a batch-1 decode step against the launches each replaced, per layer at
+Qwen3-30B-A3B's shape (H200): 48 layers' weights in one CUDA graph, L2 flushed before it.
+
+    python -m zipmoe.kernels.benchmarks.bench_kernels --parts one_token
+
+- out_proj: the attention's output projection as one GEMV launch (`gemv.gemv`) vs cuBLAS
+  (split over the input width, then a second kernel summing the splits);
+- add_norm_router: the residual add and the MoE's input norm inside the router's launch
+  (`router.fused_add_norm_router`) vs `layer_ops.add_rms_norm` then `router.fused_router`;
+- add_norm_qkv: the residual add with the MoE's 8 slot outputs and the next layer's input norm
+  inside the q/k/v launch (`qkv_norm_rope.fused_add_norm_qkv`) vs `add_rms_norm` then
+  `fused_qkv_norm_rope_cache`.
+Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zipmoe.kernels.gemv import gemv
+from zipmoe.kernels.layer_ops import add_rms_norm
+from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
+from zipmoe.kernels.router import fused_add_norm_router, fused_router
+
+from .bench_kernels import CFG, _activation, layer_weights, per_layer_rows
+
+
+def bench_one_token() -> list[dict]:
+    H, D, hq, hkv, E, K = (CFG.hidden_size, CFG.head_dim, CFG.num_heads, CFG.num_kv_heads, CFG.num_experts,
+                           CFG.top_k)
+    eps, norm = 1e-6, torch.ones(H, device="cuda", dtype=torch.bfloat16)
+    h, delta, attn = _activation(1, H), _activation(1, H), _activation(1, hq * D)
+    rows = per_layer_rows("out_proj", 1, (
+        ("triton gemv", lambda w: gemv(attn, w)),
+        ("cublas", lambda w: F.linear(attn, w)),
+    ), layer_weights((H, hq * D)), H * hq * D * 2)
+    rows += per_layer_rows("add_norm_router", 1, (
+        ("triton, norm inside", lambda gate: fused_add_norm_router(h, delta, norm, gate, K, True, eps)),
+        ("add_rms_norm+triton", lambda gate: fused_router(add_rms_norm(h, delta, norm, eps)[1], gate, K, True)),
+    ), layer_weights((E, H)), E * H * 2)
+    slots = _activation(1, K, H)
+    qn = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.zeros(1024, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cos, sin, cache_slots = _activation(1, D), _activation(1, D), torch.arange(1, device="cuda")
+    args = (qn, qn, cos, sin, k_cache, v_cache, cache_slots, eps, hq, hkv)
+    rows += per_layer_rows("add_norm_qkv", 1, (
+        ("triton, norm inside", lambda w: fused_add_norm_qkv(h, slots, norm, w, *args)),
+        ("add_rms_norm+triton", lambda w: fused_qkv_norm_rope_cache(add_rms_norm(h, slots, norm, eps)[1], w, *args)),
+    ), layer_weights(((hq + 2 * hkv) * D, H)), (hq + 2 * hkv) * D * H * 2)
+    return rows
