@@ -55,9 +55,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gemv: x must be one row of weight's width {weight.shape[1]}, got {tuple(x.shape)}")
     N, K = weight.shape
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N),)](x.contiguous(), weight.contiguous(), out, N, K=K,
-                                                  BLOCK_N=GEMV_BLOCK_N, BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(K)),
-                                                  num_warps=GEMV_WARPS, **launch_options(x.device))
+    _gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N),)](
+        x.contiguous(), weight.contiguous(), out, N, K=K, BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(K)), num_warps=GEMV_WARPS, **launch_options(x.device))
     return out
 
 

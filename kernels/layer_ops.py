@@ -221,9 +221,10 @@ def topk_softmax_reference(logits: torch.Tensor, top_k: int, normalize: bool,
 
 @triton.jit
 def store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.constexpr, K: tl.constexpr,
-                        E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+                       E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
     """Router logits [R, E_PAD] (float32) of token rows `rows` [R] -> their softmax, top-K ids and
-    weights, stored; columns past E and rows past T are masked out. Shared with the one-launch router (`router.py`)."""
+    weights, stored; columns past E and rows past T are masked out. Shared with the one-launch
+    router (`router.py`)."""
     e = tl.arange(0, E_PAD)
     ok = (rows[:, None] < T) & (e[None, :] < E)
     logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out below)

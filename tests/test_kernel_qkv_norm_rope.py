@@ -1,5 +1,6 @@
 """The attention's q/k/v projection + q/k norm + RoPE + cache write in one launch (for one token
-with the residual add and input norm before it), against its reference (CPU: Triton's interpreter, float32; GPU: bf16 at Qwen3-30B-A3B's shape, and in a CUDA graph)."""
+with the residual add and input norm before it), against its reference (CPU: Triton's
+interpreter, float32; GPU: bf16 at Qwen3-30B-A3B's shape, and in a CUDA graph)."""
 from __future__ import annotations
 
 import pytest
