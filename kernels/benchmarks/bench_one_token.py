@@ -10,19 +10,28 @@ Qwen3-30B-A3B's shape (H200): 48 layers' weights in one CUDA graph, L2 flushed b
 - add_norm_qkv: the residual add with the MoE's 8 slot outputs and the next layer's input norm
   inside the q/k/v launch (`qkv_norm_rope.fused_add_norm_qkv`) vs `add_rms_norm` then
   `fused_qkv_norm_rope_cache`.
-Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer).
+Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer). Alone, the q/k/v
+launch with the norm inside is a little slower than the two; `bench_norm_placement` times the
+batch-1 step both ways in one engine (its graphs captured with each in turn, twice): "step_norm",
+policy "norm inside q/k/v" or "norm apart", graph replay and pipelined step.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 
+from zipmoe.engine.routing import RoutingPolicy
+from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels import qkv_norm_rope
 from zipmoe.kernels.gemv import gemv
 from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
 from zipmoe.kernels.router import fused_add_norm_router, fused_router
 
-from .bench_kernels import CFG, _activation, layer_weights, per_layer_rows
+from .bench_kernels import CFG, _activation, layer_weights, per_layer_rows, print_row, row
+from .timing import cuda_time_us
 
 
 def bench_one_token() -> list[dict]:
@@ -47,4 +56,46 @@ def bench_one_token() -> list[dict]:
         ("triton, norm inside", lambda w: fused_add_norm_qkv(h, slots, norm, w, *args)),
         ("add_rms_norm+triton", lambda w: fused_qkv_norm_rope_cache(add_rms_norm(h, slots, norm, eps)[1], w, *args)),
     ), layer_weights(((hq + 2 * hkv) * D, H)), (hq + 2 * hkv) * D * H * 2)
+    return rows
+
+
+def _norm_apart(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, hq, hkv):
+    """`fused_add_norm_qkv`'s contract in two launches: `add_rms_norm`, then the q/k/v kernel."""
+    h, x = add_rms_norm(h, delta, norm, eps)
+    return h, fused_qkv_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, hq, hkv)
+
+
+def bench_norm_placement(engine, steps: int = 40) -> list[dict]:
+    """The batch-1 step (topk) with the q/k/v launch's norm inside, then apart, twice over; the
+    engine's graphs are captured again for each (`set_routing_policy`)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    try:
+        for name, impl in [("norm inside q/k/v", fused_add_norm_qkv), ("norm apart", _norm_apart)] * 2:
+            qkv_norm_rope.fused_add_norm_qkv = impl  # what `add_norm_qkv` calls for one token
+            engine.set_routing_policy(RoutingPolicy())
+            seq = engine.add_request(torch.randint(0, 150000, (256,), generator=g).tolist(),
+                                     SamplingParams(max_tokens=2 * steps, ignore_eos=True))
+            while not seq.output_ids:
+                engine.step()
+            for _ in range(3):
+                engine.step()
+            replay = cuda_time_us(engine.runner.graphs.graphs[1].replay, warmup=3, reps=30)
+            engine.set_async_scheduling(True)
+            engine.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            pipelined = (time.perf_counter() - t0) * 1e6 / steps
+            engine.set_async_scheduling(False)
+            engine.abort(seq)
+            while engine.has_work:
+                engine.step()
+            for impl_name, us in (("graph_replay", replay), ("engine_step_async", pipelined)):
+                rows.append(row("step_norm", impl_name, 1, us, 0, name))
+                print_row(rows[-1])
+    finally:
+        qkv_norm_rope.fused_add_norm_qkv = fused_add_norm_qkv
+        engine.set_routing_policy(RoutingPolicy())
     return rows
