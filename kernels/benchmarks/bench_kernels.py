@@ -189,6 +189,20 @@ def build_engine(max_num_seqs: int = 64) -> LLMEngine:
     return engine
 
 
+def pipelined_step_us(engine: LLMEngine, steps: int) -> float:
+    """Async scheduling: steps pipelined, each launched before the last one's tokens are read back;
+    per step, the wall time of `steps` of them (one more is in flight at the end)."""
+    engine.set_async_scheduling(True)
+    engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    us = (time.perf_counter() - t0) * 1e6 / steps
+    engine.set_async_scheduling(False)
+    return us
+
+
 def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: int = 24) -> list[dict]:
     dev = torch.device("cuda")
     # (row name, policy, PDL): the policies as the engine runs them, then the reference for PDL.
@@ -215,16 +229,7 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 times.append((time.perf_counter() - t0) * 1e6)
             after = engine.routing_stats.snapshot()
             union = (after["union_after"] - before["union_after"]) / (after["layer_steps"] - before["layer_steps"])
-            # Async scheduling: steps pipelined, each launched before the last one's tokens are read
-            # back; per step, the wall time of `steps` of them (one more is in flight at the end).
-            engine.set_async_scheduling(True)
-            engine.step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            async_us = (time.perf_counter() - t0) * 1e6 / steps
-            engine.set_async_scheduling(False)
+            async_us = pipelined_step_us(engine, steps)
             bucket = next(b for b in engine.runner.graphs.buckets if b >= B)
             replay_us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=2, reps=10)
             context = prompt + 3 + steps  # at the end of the timed plain steps; the async ones ran after them

@@ -17,8 +17,6 @@ policy "norm inside q/k/v" or "norm apart", graph replay and pipelined step.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +28,7 @@ from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
 from zipmoe.kernels.router import fused_add_norm_router, fused_router
 
-from .bench_kernels import CFG, _activation, layer_weights, per_layer_rows, print_row, row
+from .bench_kernels import CFG, _activation, layer_weights, per_layer_rows, pipelined_step_us, print_row, row
 from .timing import cuda_time_us
 
 
@@ -81,14 +79,7 @@ def bench_norm_placement(engine, steps: int = 40) -> list[dict]:
             for _ in range(3):
                 engine.step()
             replay = cuda_time_us(engine.runner.graphs.graphs[1].replay, warmup=3, reps=30)
-            engine.set_async_scheduling(True)
-            engine.step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            pipelined = (time.perf_counter() - t0) * 1e6 / steps
-            engine.set_async_scheduling(False)
+            pipelined = pipelined_step_us(engine, steps)
             engine.abort(seq)
             while engine.has_work:
                 engine.step()
