@@ -49,6 +49,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexp
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < N)
 
 
+@torch.library.custom_op("zipmoe::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`linear_reference` for x [1, K] in one launch."""
     if x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
@@ -61,12 +62,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("zipmoe::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Same contract as `linear_reference`: `gemv` for one token, cuBLAS's GEMM for more."""
-    return gemv(x, weight) if x.shape[0] == 1 else F.linear(x, weight)
-
-
-@linear.register_fake
+@gemv.register_fake
 def _(x, weight):
-    return x.new_empty(x.shape[0], weight.shape[0])
+    return x.new_empty(1, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as `linear_reference`: `gemv` for one token, cuBLAS's GEMM for more (chosen
+    here, not inside an op: an eager prefill step pays no second dispatch for its GEMMs)."""
+    return gemv(x, weight) if x.shape[0] == 1 else F.linear(x, weight)

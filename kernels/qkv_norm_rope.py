@@ -184,6 +184,7 @@ def add_norm_qkv_reference(h: torch.Tensor, delta: torch.Tensor, norm: torch.Ten
                                             num_heads, num_kv_heads)
 
 
+@torch.library.custom_op("zipmoe::fused_add_norm_qkv", mutates_args=("k_cache", "v_cache"))
 def fused_add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
                        q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float, num_heads: int,
@@ -198,21 +199,21 @@ def fused_add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor,
     return h_out, q
 
 
-@torch.library.custom_op("zipmoe::add_norm_qkv", mutates_args=("k_cache", "v_cache"))
+@fused_add_norm_qkv.register_fake
+def _(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads, num_kv_heads):
+    return torch.empty_like(h), h.new_empty(h.shape[0], num_heads, q_norm.shape[0])
+
+
 def add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
                  q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `add_norm_qkv_reference`: one launch up to QKV_MAX_T tokens (one), else
-    `layer_ops.add_rms_norm` then `qkv_norm_rope_cache` above."""
+    `layer_ops.add_rms_norm` then `qkv_norm_rope_cache` above (chosen here, not inside an op: an eager
+    prefill step pays no second dispatch)."""
     if h.shape[0] <= QKV_MAX_T:
         return fused_add_norm_qkv(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
                                   num_heads, num_kv_heads)
     h, x = add_rms_norm(h, delta, norm, eps)
     return h, qkv_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads,
                                   num_kv_heads)
-
-
-@add_norm_qkv.register_fake
-def _(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads, num_kv_heads):
-    return torch.empty_like(h), h.new_empty(h.shape[0], num_heads, q_norm.shape[0])

@@ -129,14 +129,23 @@ def fused_router(x: torch.Tensor, gate: torch.Tensor, top_k: int,
     return _launch(x.contiguous(), gate, top_k, normalize)
 
 
+@torch.library.custom_op("zipmoe::fused_add_norm_router", mutates_args=())
 def fused_add_norm_router(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor, top_k: int,
-                          normalize: bool, eps: float):
+                          normalize: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor, torch.Tensor]:
     """`add_norm_router_reference`'s contract in one launch, for one token."""
     if h.shape[0] != 1 or delta.shape != h.shape:
         raise ValueError(f"fused_add_norm_router serves one token's row, got h {tuple(h.shape)}, delta "
                          f"{tuple(delta.shape)}")
     h_out, x = torch.empty_like(h), torch.empty_like(h)
     return (h_out, x) + _launch(x, gate, top_k, normalize, (h.contiguous(), delta.contiguous(), norm, h_out, eps))
+
+
+@fused_add_norm_router.register_fake
+def _(h, delta, norm, gate, top_k, normalize, eps):
+    T, E = h.shape[0], gate.shape[0]
+    return (torch.empty_like(h), torch.empty_like(h), h.new_empty(T, E, dtype=torch.float32),
+            h.new_empty(T, top_k, dtype=torch.int64), h.new_empty(T, top_k))
 
 
 @torch.library.custom_op("zipmoe::router", mutates_args=())
@@ -164,20 +173,12 @@ def add_norm_router_reference(h: torch.Tensor, delta: torch.Tensor, norm: torch.
     return (h, x) + router_reference(x, gate, top_k, normalize)
 
 
-@torch.library.custom_op("zipmoe::add_norm_router", mutates_args=())
 def add_norm_router(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor, top_k: int,
                     normalize: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                           torch.Tensor]:
     """Same contract as `add_norm_router_reference`: one launch up to ADD_NORM_ROUTER_MAX_T tokens,
-    `layer_ops.add_rms_norm` then `router` above."""
+    `layer_ops.add_rms_norm` then `router` above (chosen here, not inside an op: no second dispatch)."""
     if h.shape[0] <= ADD_NORM_ROUTER_MAX_T:
         return fused_add_norm_router(h, delta, norm, gate, top_k, normalize, eps)
     h, x = add_rms_norm(h, delta, norm, eps)
     return (h, x) + router(x, gate, top_k, normalize)
-
-
-@add_norm_router.register_fake
-def _(h, delta, norm, gate, top_k, normalize, eps):
-    T, E = h.shape[0], gate.shape[0]
-    return (torch.empty_like(h), torch.empty_like(h), h.new_empty(T, E, dtype=torch.float32),
-            h.new_empty(T, top_k, dtype=torch.int64), h.new_empty(T, top_k))

@@ -34,10 +34,10 @@ def test_linear_matches_reference_either_side_of_one_token(device, T):
     torch.testing.assert_close(linear(x, w), linear_reference(x, w), **tol)
 
 
-@pytest.mark.parametrize("T", [1, 2])
-def test_linear_op_schema_and_fake(T):
-    x, w = _case("cpu", T, 16, 32)
-    torch.library.opcheck(torch.ops.zipmoe.linear.default, (x, w), test_utils=("test_schema", "test_faketensor"))
+def test_gemv_op_schema_and_fake():
+    """The one launch is the op; `linear` chooses it or cuBLAS outside any op."""
+    x, w = _case("cpu", 1, 16, 32)
+    torch.library.opcheck(torch.ops.zipmoe.gemv.default, (x, w), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_gemv_refuses_more_than_one_row():
