@@ -25,22 +25,38 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.special import xlogy
 
 from .settings import setting
 
 
 def distinct_token_count(embeds: Tensor) -> Tensor:
     """Effective number of distinct tokens among an image's merged embeddings [..., N, D] (a batch
-    of same-size images -> [...]): the participation ratio N^2 / ||G||_F^2 of the Gram matrix G of
-    the unit-normalised rows. N when they are mutually orthogonal, 1 when all point the same way (a
-    solid background). Computed through the smaller of X X^T and X^T X (same Frobenius norm)."""
+    of same-size images -> [...]): exp of the entropy of how the unit-normalised tokens' energy
+    spreads over directions. A share c = |mean|^2 lies along the mean token; the rest, 1 - c, is the
+    variation around it, taken as spread evenly over its participation ratio P = tr(C)^2 / ||C||_F^2
+    (C the Gram matrix of the centred rows), so D = c^-c (P / (1 - c))^(1 - c).
+
+    1 when all tokens point one way (a solid background; also all-zero rows), N when they are
+    mutually orthogonal, k for k orthogonal directions repeated evenly: the entropy of the Gram
+    matrix's spectrum (the effective rank) in those cases, without an eigendecomposition. Why not
+    the participation ratio of the uncentred Gram: a vision tower gives all its tokens a large
+    common component, and that squared measure is ruled by its largest eigenvalue, so it counts
+    about two distinct tokens for a receipt and for a photo alike. Why not the centred tokens alone:
+    a solid image's tokens still differ by position, and its centred variation looks rich; here that
+    variation counts only with its small share 1 - c. Computed through the smaller of X X^T and X^T X
+    (same Frobenius norm)."""
     x = F.normalize(embeds.float(), dim=-1)
     n, d = x.shape[-2:]
-    xt = x.transpose(-1, -2)
-    gram = x @ xt if n <= d else xt @ x
+    mean = x.mean(-2, keepdim=True)
+    common = mean.square().sum((-2, -1)).clamp(0.0, 1.0)  # c: 1 when every row is the same unit vector
+    centred = x - mean
+    ct = centred.transpose(-1, -2)
+    gram = centred @ ct if n <= d else ct @ centred
     squares = gram.square().sum((-2, -1))
-    # All-zero rows (no direction at all) count as one token; within [1, N] otherwise up to rounding.
-    return torch.where(squares > 0, n * n / squares.clamp_min(1e-30), 1.0).clamp(1.0, n)
+    spread = torch.where(squares > 0, centred.square().sum((-2, -1)).square() / squares.clamp_min(1e-30), 1.0)
+    entropy = -xlogy(common, common) - xlogy(1 - common, 1 - common) + (1 - common) * spread.log()
+    return entropy.exp().clamp(1.0, n)
 
 
 BUDGET_WEIGHTINGS = ("distinct", "size")

@@ -264,13 +264,55 @@ def test_distinct_token_count_bounds():
     assert distinct_token_count(torch.zeros(8, 4)).item() == 1.0  # no direction at all: one token, not inf
 
 
+def effective_rank(x: torch.Tensor) -> float:
+    """exp of the entropy of the unit-normalised rows' Gram spectrum, by eigendecomposition."""
+    unit = F.normalize(x.double(), dim=-1)
+    eigenvalues = torch.linalg.eigvalsh(unit @ unit.T).clamp_min(0)
+    p = eigenvalues / eigenvalues.sum()
+    return torch.exp(-torch.special.xlogy(p, p).sum()).item()
+
+
 @pytest.mark.parametrize("n, d", [(12, 40), (40, 12)])  # both sides of the Gram-matrix choice
-def test_distinct_token_count_is_the_participation_ratio(n, d):
-    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n))
-    unit = F.normalize(x, dim=-1)
-    want = n ** 2 / (unit @ unit.T).square().sum()
-    assert distinct_token_count(x.to(torch.bfloat16)).item() == pytest.approx(want.item(), rel=2e-2)
-    assert distinct_token_count(x).item() == pytest.approx(want.item(), rel=1e-5)
+def test_distinct_token_count_follows_its_definition(n, d):
+    """c = |mean unit row|^2 and the centred rows' participation ratio P, from the centred Gram
+    matrix's eigenvalues: D = exp(-c ln c - (1 - c) ln((1 - c) / P))."""
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n)) + 0.7  # a common component, as towers give
+    unit = F.normalize(x.double(), dim=-1)
+    mean = unit.mean(0)
+    c = mean.square().sum()
+    eigenvalues = torch.linalg.eigvalsh((unit - mean) @ (unit - mean).T)
+    spread = eigenvalues.sum() ** 2 / eigenvalues.square().sum()
+    want = torch.exp(-c * c.log() - (1 - c) * ((1 - c) / spread).log()).item()
+    assert distinct_token_count(x.to(torch.bfloat16)).item() == pytest.approx(want, rel=2e-2)
+    assert distinct_token_count(x).item() == pytest.approx(want, rel=1e-5)
+    assert distinct_token_count(x.expand(3, n, d)).tolist() == pytest.approx([want] * 3, rel=1e-5)  # batched
+
+
+@pytest.mark.parametrize("c", [0.3, 0.6, 0.9])
+def test_distinct_token_count_is_the_effective_rank_when_the_variation_is_flat(c):
+    """Tokens = a common direction (energy share c) + one of k orthogonal deviations, evenly: the
+    Gram spectrum is then exactly one eigenvalue for the mean and k - 1 equal ones."""
+    k, d = 6, 16
+    axes = torch.eye(d)[1:k + 1]  # k orthogonal rows, all orthogonal to axis 0
+    deviation = axes - axes.mean(0)  # still orthogonal to axis 0; they sum to 0
+    deviation = F.normalize(deviation, dim=-1) * (1 - c) ** 0.5
+    rows = (torch.eye(1, d) * c ** 0.5 + deviation).repeat(5, 1)
+    assert distinct_token_count(rows).item() == pytest.approx(effective_rank(rows), rel=1e-4)
+
+
+def test_a_common_component_does_not_hide_the_difference():
+    """Tokens sharing a large component (c about 0.7, as a vision tower gives): the uncentred
+    participation ratio counts about two distinct tokens for a busy image, here about the effective
+    rank's six; a flat image whose tokens differ only by a small jitter (its centred rows alone look
+    rich) still counts about one."""
+    g = torch.Generator().manual_seed(3)
+    common = 1.5 * torch.randn(1, 64, generator=g)
+    busy = common + torch.randn(100, 64, generator=g)
+    flat = common + 0.05 * torch.randn(100, 64, generator=g)
+    unit = F.normalize(busy, dim=-1)
+    assert 100 ** 2 / (unit @ unit.T).square().sum().item() < 2.5  # the uncentred participation ratio
+    assert distinct_token_count(busy).item() == pytest.approx(effective_rank(busy), rel=0.1)
+    assert distinct_token_count(flat).item() == pytest.approx(1.0, abs=0.05)
 
 
 def test_weigh_images_scales_each_image_to_its_distinct_tokens():
