@@ -208,10 +208,10 @@ def add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weigh
                  q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `add_norm_qkv_reference`: one launch up to QKV_MAX_T tokens (one), else
+    """Same contract as `add_norm_qkv_reference`: one launch for one token, else
     `layer_ops.add_rms_norm` then `qkv_norm_rope_cache` above (chosen here, not inside an op: an eager
     prefill step pays no second dispatch)."""
-    if h.shape[0] <= QKV_MAX_T:
+    if h.shape[0] == 1:
         return fused_add_norm_qkv(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps,
                                   num_heads, num_kv_heads)
     h, x = add_rms_norm(h, delta, norm, eps)

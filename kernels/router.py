@@ -43,11 +43,6 @@ def router_split(T: int, H: int, E: int) -> int:
     return max(1, min(ROUTER_PROGRAMS // tiles, ROUTER_MAX_SPLIT, triton.cdiv(H, ROUTER_BLOCK_H)))
 
 
-# `add_norm_router` takes the norm in up to this many tokens: every program reads each token's whole
-# row for its statistics, one row at one token.
-ADD_NORM_ROUTER_MAX_T = 1
-
-
 @triton.jit
 def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_ptr, w_ptr, h_ptr, delta_ptr, norm_ptr,
                    h_out_ptr, T, H, E, H_PER_SPLIT, eps, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -176,9 +171,10 @@ def add_norm_router_reference(h: torch.Tensor, delta: torch.Tensor, norm: torch.
 def add_norm_router(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor, top_k: int,
                     normalize: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                           torch.Tensor]:
-    """Same contract as `add_norm_router_reference`: one launch up to ADD_NORM_ROUTER_MAX_T tokens,
-    `layer_ops.add_rms_norm` then `router` above (chosen here, not inside an op: no second dispatch)."""
-    if h.shape[0] <= ADD_NORM_ROUTER_MAX_T:
+    """Same contract as `add_norm_router_reference`: one launch for one token (each program reads the
+    token's whole row for its statistics), else `layer_ops.add_rms_norm` then `router` above (chosen
+    here, not inside an op: no second dispatch)."""
+    if h.shape[0] == 1:
         return fused_add_norm_router(h, delta, norm, gate, top_k, normalize, eps)
     h, x = add_rms_norm(h, delta, norm, eps)
     return (h, x) + router(x, gate, top_k, normalize)

@@ -54,7 +54,8 @@ def distinct_token_count(embeds: Tensor) -> Tensor:
     ct = centred.transpose(-1, -2)
     gram = centred @ ct if n <= d else ct @ centred
     squares = gram.square().sum((-2, -1))
-    spread = torch.where(squares > 0, centred.square().sum((-2, -1)).square() / squares.clamp_min(1e-30), 1.0)
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)  # the centred rows' energy, read off the Gram already made
+    spread = torch.where(squares > 0, trace.square() / squares.clamp_min(1e-30), 1.0)
     entropy = -xlogy(common, common) - xlogy(1 - common, 1 - common) + (1 - common) * spread.log()
     return entropy.exp().clamp(1.0, n)
 
