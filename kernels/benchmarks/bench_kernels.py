@@ -14,8 +14,8 @@ Every time is read against the device-copy bandwidth measured in the same run. P
   (`fused_qkv_norm_rope_cache`) vs cuBLAS's GEMM then `qk_norm_rope_cache`, the same way; likewise
   behind QKV_MAX_T. Both fused kernels also without PDL ("triton, no PDL"): their own time,
   not overlapped with the next layer's launch.
-- one_token: a batch-1 step's fused kernels vs the launches they replaced, and the step with the
-  q/k/v launch's norm inside or apart: bench_one_token.py.
+- one_token: a batch-1 step's fused kernels vs the launches they replaced, and the step under the
+  choices they leave open (tile shapes, the norm's place, PDL): bench_one_token.py.
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
@@ -342,8 +342,8 @@ def main(argv=None) -> int:
             if "prefill" in parts:
                 save(bench_prefill(engine))
             if "one_token" in parts:
-                from .bench_one_token import bench_norm_placement
-                save(bench_norm_placement(engine))
+                from .bench_one_token import bench_step_variants
+                save(bench_step_variants(engine))
             del engine
             torch.cuda.empty_cache()
         if "moe" in parts:

@@ -10,10 +10,14 @@ Qwen3-30B-A3B's shape (H200): 48 layers' weights in one CUDA graph, L2 flushed b
 - add_norm_qkv: the residual add with the MoE's 8 slot outputs and the next layer's input norm
   inside the q/k/v launch (`qkv_norm_rope.fused_add_norm_qkv`) vs `add_rms_norm` then
   `fused_qkv_norm_rope_cache`.
-Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer). Alone, the q/k/v
-launch with the norm inside is a little slower than the two; `bench_norm_placement` times the
-batch-1 step both ways in one engine (its graphs captured with each in turn, twice): "step_norm",
-policy "norm inside q/k/v" or "norm apart", graph replay and pipelined step.
+Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer).
+
+`bench_step_variants` times the batch-1 step itself under the choices these kernels leave open,
+in one engine (its graphs captured again for each, the committed choices first and last, so
+drift shows): "step_variant" rows, policy the variant's name, graph replay and pipelined step.
+The variants: the q/k/v launch's norm apart (two launches); the GEMV's rows a program; the q/k/v
+kernel's and the router's splits of the input width; the attention's keys a tile; and the whole
+step without PDL.
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ import torch.nn.functional as F
 
 from zipmoe.engine.routing import RoutingPolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels import qkv_norm_rope
+from zipmoe.kernels import dependent_launch, paged_attention, qkv_norm_rope
+from zipmoe.kernels import gemv as gemv_module
+from zipmoe.kernels import router as router_module
 from zipmoe.kernels.gemv import gemv
 from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
@@ -63,30 +69,55 @@ def _norm_apart(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cac
     return h, fused_qkv_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, hq, hkv)
 
 
-def bench_norm_placement(engine, steps: int = 40) -> list[dict]:
-    """The batch-1 step (topk) with the q/k/v launch's norm inside, then apart, twice over; the
-    engine's graphs are captured again for each (`set_routing_policy`)."""
+def _keys_a_tile(keys: int):
+    """`paged_attention._tile_config` with another tile of keys."""
+    return lambda head_dim, block_size: (max(block_size, keys), 4, 2)
+
+
+def _variants() -> list[tuple[str, dict, bool]]:
+    """(name, {(module, attribute): value} patched while its graphs are captured, PDL)."""
+    return [
+        ("as committed", {}, True),
+        ("norm apart from q/k/v", {(qkv_norm_rope, "fused_add_norm_qkv"): _norm_apart}, True),
+        ("gemv 2 rows a program", {(gemv_module, "GEMV_BLOCK_N"): 2}, True),
+        ("q/k/v 16 splits", {(qkv_norm_rope, "QKV_MAX_SPLIT"): 16}, True),
+        ("q/k/v 4 splits", {(qkv_norm_rope, "QKV_MAX_SPLIT"): 4}, True),
+        ("router 128 programs", {(router_module, "ROUTER_PROGRAMS"): 128, (router_module, "ROUTER_MAX_SPLIT"): 16},
+         True),
+        ("router 32 programs", {(router_module, "ROUTER_PROGRAMS"): 32}, True),
+        ("attention 64 keys a tile", {(paged_attention, "_tile_config"): _keys_a_tile(64)}, True),
+        ("no PDL", {}, False),
+        ("as committed", {}, True),
+    ]
+
+
+def bench_step_variants(engine, steps: int = 40) -> list[dict]:
+    """The batch-1 step (topk) under each of `_variants`, graph replay and pipelined."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    try:
-        for name, impl in [("norm inside q/k/v", fused_add_norm_qkv), ("norm apart", _norm_apart)] * 2:
-            qkv_norm_rope.fused_add_norm_qkv = impl  # what `add_norm_qkv` calls for one token
-            engine.set_routing_policy(RoutingPolicy())
-            seq = engine.add_request(torch.randint(0, 150000, (256,), generator=g).tolist(),
-                                     SamplingParams(max_tokens=2 * steps, ignore_eos=True))
-            while not seq.output_ids:
-                engine.step()
-            for _ in range(3):
-                engine.step()
-            replay = cuda_time_us(engine.runner.graphs.graphs[1].replay, warmup=3, reps=30)
-            pipelined = pipelined_step_us(engine, steps)
-            engine.abort(seq)
-            while engine.has_work:
-                engine.step()
-            for impl_name, us in (("graph_replay", replay), ("engine_step_async", pipelined)):
-                rows.append(row("step_norm", impl_name, 1, us, 0, name))
-                print_row(rows[-1])
-    finally:
-        qkv_norm_rope.fused_add_norm_qkv = fused_add_norm_qkv
-        engine.set_routing_policy(RoutingPolicy())
+    for name, patches, pdl in _variants():
+        saved = {key: getattr(*key) for key in patches}
+        try:
+            for (module, attr), value in patches.items():
+                setattr(module, attr, value)
+            with dependent_launch.enabled_as(pdl):
+                engine.set_routing_policy(RoutingPolicy())  # captures the graphs with the variant
+        finally:
+            for (module, attr), value in saved.items():
+                setattr(module, attr, value)
+        seq = engine.add_request(torch.randint(0, 150000, (256,), generator=g).tolist(),
+                                 SamplingParams(max_tokens=2 * steps, ignore_eos=True))
+        while not seq.output_ids:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        replay = cuda_time_us(engine.runner.graphs.graphs[1].replay, warmup=3, reps=30)
+        pipelined = pipelined_step_us(engine, steps)
+        engine.abort(seq)
+        while engine.has_work:
+            engine.step()
+        for impl_name, us in (("graph_replay", replay), ("engine_step_async", pipelined)):
+            rows.append(row("step_variant", impl_name, 1, us, 0, name))
+            print_row(rows[-1])
+    engine.set_routing_policy(RoutingPolicy())
     return rows
