@@ -143,7 +143,7 @@ def run_mode(args, mode: str, checkpoint: Path | None) -> dict:
         overrides = repository_config.parse_overrides(args.set)
         target = "0" if mode == "fixed" else str(args.ttft_target_ms)
         overrides["moe_decoder"] = {**overrides.get("moe_decoder", {}), "ttft_target_ms": target}
-        ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+        ports = serve.free_server_ports()
         print(f"{mode}: starting tritonserver on {checkpoint} (log: {args.log_file}) ...", flush=True)
         with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=args.log_file,
                                 extra_args=args.extra_arg, overrides=overrides, **ports) as server:

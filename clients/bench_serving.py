@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     else:
         checkpoint = resolve_checkpoint(args.checkpoint or serve.TINY_CHECKPOINT)
         result["checkpoint"] = display_path(checkpoint)
-        ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+        ports = serve.free_server_ports()
         print(f"starting tritonserver on {checkpoint} (log: {args.log_file}) ...", flush=True)
         extra_args = list(args.extra_arg)
         if args.trace is not None:  # a fresh trace: files of an earlier run would mix in

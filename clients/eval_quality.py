@@ -325,7 +325,7 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
     tally = TokenTally()
     for (setting, keeps), server_params in zip(steps, per_server):
         log = log_dir / f"server-{setting.slug}.log"
-        ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+        ports = serve.free_server_ports()
         try:
             with serve.TritonServer(repository, checkpoint=str(checkpoint), log_path=log,
                                     overrides=server_params, **ports) as server:

@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         summary["server"] = {"url": args.url, "checkpoint": args.checkpoint}
     else:
         checkpoint = resolve_checkpoint(args.checkpoint or serve.TINY_CHECKPOINT)
-        ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+        ports = serve.free_server_ports()
         log(f"starting tritonserver on {checkpoint} (log: {args.log_file}) ...")
         with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=args.log_file,
                                 extra_args=args.extra_arg, overrides=overrides, **ports) as server:

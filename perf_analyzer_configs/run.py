@@ -176,7 +176,7 @@ def server(args: argparse.Namespace, overrides: dict[str, dict[str, str]]):
         return
     checkpoint = resolve_checkpoint(args.checkpoint or serve.TINY_CHECKPOINT)
     print(f"starting tritonserver on {checkpoint} (log: {args.log_file}) ...", flush=True)
-    ports = {f"{kind}_port": serve.free_port() for kind in ("http", "grpc", "metrics")}
+    ports = serve.free_server_ports()
     with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=args.log_file,
                             extra_args=args.extra_arg, overrides=overrides, **ports) as started:
         started.wait_ready(timeout=args.ready_timeout)

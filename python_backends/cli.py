@@ -106,7 +106,7 @@ def cmd_demo(args) -> int:
     images = [] if args.image else [notes_data.png_bytes(im) for im in example.images]
     shown = (f"{len(args.image)} image(s) of yours" if args.image else
              f"{len(images)} notes: " + ", ".join(example.kinds))
-    ports = [serve.free_port() for _ in range(3)]
+    ports = serve.free_ports(3)
     log = Path(tempfile.gettempdir()) / "zipmoe-demo-server.log"
     print(f"starting tritonserver on {checkpoint} (log: {log}) ...", flush=True)
     with serve.TritonServer(serve.DEFAULT_REPOSITORY, *ports, checkpoint=str(checkpoint), log_path=log) as server:

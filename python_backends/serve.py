@@ -130,10 +130,27 @@ def cuda_pool_args(extra_args: list[str]) -> list[str]:
     return [f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_BYTES}" for gpu in range(torch.cuda.device_count())]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports. Every socket stays bound until all are: asked one at a time,
+    the system can hand back a port just released, and a server given one port for both HTTP and
+    gRPC refuses to start (seen in CI)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_server_ports() -> dict[str, int]:
+    """`TritonServer`'s http_port, grpc_port and metrics_port: three distinct free loopback ports."""
+    return dict(zip(("http_port", "grpc_port", "metrics_port"), free_ports(3)))
 
 
 def log_tail(path: Path | None, lines: int = 60) -> str:

@@ -60,7 +60,7 @@ def tiny_server(checkpoint, tmp_path_factory, name: str, overrides: dict | None 
     config.pbtxt `overrides` ({model: {parameter: value}}); its log is `server.log` in a fresh folder
     `name` (server.log_path)."""
     log = tmp_path_factory.mktemp(name) / "server.log"
-    ports = dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
+    ports = serve.free_server_ports()
     with serve.TritonServer(serve.DEFAULT_REPOSITORY, checkpoint=str(checkpoint), log_path=log,
                             overrides=overrides, **ports) as s:
         s.wait_ready(timeout=300)

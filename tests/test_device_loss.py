@@ -148,7 +148,7 @@ def lose_the_device_in(where: str, checkpoint, tmp_path):
     fault = FAULTS[where]
     (repository / fault["model"] / "1" / "model.py").write_text(FAULTY_MODEL.format(**fault))
     trigger, log = tmp_path / "lose-the-device", tmp_path / "serve.log"
-    http, grpc, metrics = (serve.free_port() for _ in range(3))
+    http, grpc, metrics = serve.free_ports(3)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "zipmoe.cli", "serve", "--checkpoint", str(checkpoint),
                                  "--model-repository", str(repository), "--http-port", str(http),

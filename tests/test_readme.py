@@ -49,7 +49,7 @@ def test_the_using_it_commands_work_in_order(tmp_path):
     commands = using_it()
     assert commands[0] == "make install" and commands[-1] == "kill -INT %1"  # the test runs in what `make install` made
     example = cli.demo_example()
-    ports = {name: serve.free_port() for name in ("http", "grpc", "metrics", "openai")}
+    ports = dict(zip(("http", "grpc", "metrics", "openai"), serve.free_ports(4)))
     serve_line = commands[1]
     assert serve_line.endswith(" &") and "--checkpoint" not in serve_line
     log = tmp_path / "server.log"

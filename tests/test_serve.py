@@ -158,6 +158,15 @@ def test_cuda_pool_is_set_on_every_gpu_unless_the_caller_set_it(monkeypatch):
     assert serve.cuda_pool_args(["--log-verbose=1"]) == []
 
 
+def test_free_ports_are_distinct():
+    """Asked for together, no two ports coincide (asked one at a time, a server was once handed the
+    same port for HTTP and gRPC, and refused to start)."""
+    for _ in range(20):
+        ports = serve.free_ports(3)
+        assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
+    assert set(serve.free_server_ports()) == {"http_port", "grpc_port", "metrics_port"}
+
+
 def test_prepare_backend_dir(tmp_path):
     server = serve._bundled_server()
     backends = serve.prepare_backend_dir(server, tmp_path)
@@ -173,14 +182,10 @@ def test_prepare_backend_dir(tmp_path):
 # ---------------------------------------------------------------- integration
 
 
-def _ports() -> dict:
-    return dict(http_port=serve.free_port(), grpc_port=serve.free_port(), metrics_port=serve.free_port())
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    with serve.TritonServer(make_repository(root), log_path=root / "server.log", **_ports()) as s:
+    with serve.TritonServer(make_repository(root), log_path=root / "server.log", **serve.free_server_ports()) as s:
         s.models = s.wait_ready(timeout=120)
         yield s
 
@@ -234,7 +239,7 @@ def _group_gone(pgid: int) -> bool:
 
 @pytest.mark.integration
 def test_stop_leaves_no_process(tmp_path):
-    s = serve.TritonServer(make_repository(tmp_path), log_path=tmp_path / "server.log", **_ports())
+    s = serve.TritonServer(make_repository(tmp_path), log_path=tmp_path / "server.log", **serve.free_server_ports())
     with s:
         s.wait_ready(timeout=120)
         pid = s.process.pid
@@ -246,7 +251,7 @@ def test_stop_leaves_no_process(tmp_path):
 
 @pytest.mark.integration
 def test_run_stops_cleanly_on_sigint(tmp_path):
-    ports = _ports()
+    ports = serve.free_server_ports()
     code = (
         "import argparse, sys; from zipmoe.serve_command import add_arguments, run; "
         "p = argparse.ArgumentParser(); add_arguments(p); sys.exit(run(p.parse_args(sys.argv[1:])))"

@@ -50,7 +50,7 @@ def server_group(http: int) -> int:
 
 
 def test_a_dead_stub_fails_in_flight_requests_and_the_server_comes_back(tiny_checkpoint, tmp_path):
-    http, grpc, metrics = (serve.free_port() for _ in range(3))
+    http, grpc, metrics = serve.free_ports(3)
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "zipmoe.cli", "serve", "--checkpoint", str(tiny_checkpoint),
