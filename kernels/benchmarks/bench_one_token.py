@@ -70,8 +70,9 @@ def _norm_apart(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cac
 
 
 def _keys_a_tile(keys: int):
-    """`paged_attention._tile_config` with another tile of keys."""
-    return lambda head_dim, block_size: (max(block_size, keys), 4, 2)
+    """`paged_attention._tile_config` with another tile of keys, its warps and stages as committed."""
+    committed = paged_attention._tile_config
+    return lambda head_dim, block_size: (max(block_size, keys),) + committed(head_dim, block_size)[1:]
 
 
 def _variants() -> list[tuple[str, dict, bool]]:
