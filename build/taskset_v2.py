@@ -6,7 +6,7 @@ at least one of each -- and one question whose answer needs one small region (a 
 tag, a cell, a form field) or several images (totals of two receipts, which shelf has an item).
 Answers transcribe what is printed: "BREAD 3.49", "MILK 1.99, EGGS 2.79, TEA 4.10",
 "a red circle, a blue square and a green triangle" (5-40 tokens of the trained tokenizer).
-A quarter of the questions ask what no image prints (KNOWLEDGE_TASKS): every store has a price
+Half the questions ask what no image prints (KNOWLEDGE_TASKS): every store has a price
 list, fixed for the task set, and "by its price list, what do TEA, MILK and OATS cost at the store
 of the receipt in image 2?" is answered "FRESH MART, TEA 3.15, MILK 1.99, OATS 2.79": the store's
 name read off that receipt (which lists none of them), then each item and its price recalled from
@@ -52,8 +52,12 @@ ASKED_PRICES = 3  # items a store_price question asks of one store's price list
 TASKS: tuple[str, ...] = ("receipt_line", "receipt_total", "receipt_list", "shelf_price", "shelf_row", "table_cell",
                           "table_row", "form_field", "form_pair", "photo_shapes", "multi_total", "multi_find",
                           *KNOWLEDGE_TASKS)
-# Each knowledge task is drawn twice as often as a reading task: a quarter of all questions.
-TASK_WEIGHTS: tuple[int, ...] = tuple(2 if t in KNOWLEDGE_TASKS else 1 for t in TASKS)
+# Half the questions are answered by reading, half by recall: a harness whose questions mostly copy what
+# attention reads cannot tell a routing policy that keeps the experts' capacity from one that drops it
+# (docs/QUALITY.md, session 33). Until then each knowledge task weighed 2, a quarter of all questions.
+_KNOWLEDGE_WEIGHT = (len(TASKS) - len(KNOWLEDGE_TASKS)) // len(KNOWLEDGE_TASKS)
+TASK_WEIGHTS: tuple[int, ...] = tuple(_KNOWLEDGE_WEIGHT if t in KNOWLEDGE_TASKS else 1 for t in TASKS)
+KNOWLEDGE_SHARE = sum(w for t, w in zip(TASKS, TASK_WEIGHTS) if t in KNOWLEDGE_TASKS) / sum(TASK_WEIGHTS)
 QUESTIONS: dict[str, str] = {
     "receipt_line": "what does the {item} line on the receipt in image {i} say?",
     "receipt_total": "transcribe the total line of the receipt in image {i}.",

@@ -248,7 +248,8 @@ def train(out: str | Path, size: str = "v2", steps: int = 4300, batch: int = 32,
                                        pin_memory=dev.type == "cuda")
     log: dict = {"seed": seed, "size": size, "parameters": run.params, "batch": batch, "lr": lr, "experts": run.experts,
                  "reading_loss": reading_loss, "read_fraction": read_fraction,
-                 "knowledge_fraction": knowledge_fraction, "attend_loss": attend_loss,
+                 "knowledge_fraction": knowledge_fraction, "split_knowledge_share": ts.KNOWLEDGE_SHARE,
+                 "attend_loss": attend_loss,
                  "centering": centering, "task_set": "v2", "router_z_loss": router_z_loss,
                  "moe_intermediate_size": text_shape.get("moe_intermediate_size"),
                  "router_aux_loss_coef": text_shape.get("router_aux_loss_coef")}
@@ -305,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of training examples that are read-entry questions (training only; "
                         f"default {default['read_fraction']})")
     p.add_argument("--knowledge", dest="knowledge_fraction", type=float, default=None,
-                   help="share of training examples made knowledge questions, beyond the task set's own quarter "
-                        f"(taskset_v2.KNOWLEDGE_TASKS; default {default['knowledge_fraction']})")
+                   help="share of training examples made knowledge questions, beyond the half the task set's own "
+                        f"draw asks (taskset_v2.KNOWLEDGE_SHARE; default {default['knowledge_fraction']})")
     p.add_argument("--attend-loss", type=float, default=None,
                    help="weight of the answer-attention targets (train_v2_attention; 0: off; "
                         f"default {default['attend_loss']})")
