@@ -18,26 +18,33 @@ def row_label(row: dict) -> str:
     return label if row.get("budget", DEFAULT_BUDGET) == DEFAULT_BUDGET else f"{label}, budget by {row['budget']}"
 
 
+def experts_saved(row: dict) -> float | None:
+    """Per cent of the router's expert union that the policy did not compute, in the row's own decode
+    steps: a like-for-like saving, where a topk row run apart held other batches (docs/QUALITY.md)."""
+    routed, read = row.get("experts_routed"), row.get("experts_read")
+    return None if not routed or read is None else 100.0 * (1.0 - read / routed)
+
+
 def table(result: dict) -> str:
     def fmt(v, spec=""):
         return "-" if v is None else format(v, spec)
 
     head = ("keep", "routing", "K'", "rho", "protect", "budget", "accuracy", "failed", "seconds", "routed", "read",
-            "moved", "beside")
+            "saved", "moved", "beside")
     overrides = ", ".join(f"{m}.{k}={v}" for m, params in result.get("overrides", {}).items()
                           for k, v in params.items())
     lines = [f"{result['checkpoint']}, split {result['split']}, n={result['n']}"
              + (f", with {overrides}" if overrides else "")
-             + "  (routed/read: distinct experts per MoE layer-step; moved: slots re-routed per generated token;"
-             " beside: share of those tokens decoded in a step with a prompt chunk)",
-             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>6} {:>6} {:>6}  by task".format(*head)]
+             + "  (routed/read: distinct experts per MoE layer-step; saved: 1 - read/routed, %; moved: slots"
+             " re-routed per generated token; beside: share of those tokens decoded in a step with a prompt chunk)",
+             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>6} {:>5} {:>6} {:>6}  by task".format(*head)]
     for r in result["rows"]:
         tasks = " ".join(f"{t}={v:.2f}" for t, v in r["by_task"].items())
         protect = None if r["protect"] is None else ("on" if r["protect"] else "off")
         lines.append(f"{r['keep_ratio']:>5.2f} {r['routing']:<8} {fmt(r['primary_k']):>3} {fmt(r['rho'], 'g'):>4} "
                      f"{fmt(protect):>7} {r['budget']:>8} {r['accuracy']:>8.3f} {r['failed']:>6} {r['seconds']:>8.1f} "
                      f"{fmt(r['experts_routed'], '.2f'):>6} {fmt(r['experts_read'], '.2f'):>6} "
-                     f"{fmt(r['moved_per_token'], '.2f'):>6} {fmt(r.get('beside_prompts'), '.2f'):>6}  {tasks}")
+                     f"{fmt(experts_saved(r), '.1f'):>5} {fmt(r['moved_per_token'], '.2f'):>6} {fmt(r.get('beside_prompts'), '.2f'):>6}  {tasks}")
     budgets = {DEFAULT_BUDGET: result["tokens_kept_by_keep"], **result["tokens_kept_by_budget"]}
     for budget, by_keep in budgets.items():
         lines.append(f"visual tokens kept per image (mean), budget by {budget}: " + "; ".join(

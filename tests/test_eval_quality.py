@@ -5,6 +5,7 @@ import importlib.util
 import json
 
 import pytest
+from conftest import REPO
 
 from zipmoe import cli, repository_config, serve
 from zipmoe.clients import eval_quality as eq
@@ -186,6 +187,16 @@ def test_table_and_plot(tmp_path):
     assert report.row_label(rows[4]) == "sere K'=1 ρ=0 -P" and report.row_label(rows[5]) == "oea k0=2"
     if HAS_MPL:
         assert report.plot(result, tmp_path / "q.png") and (tmp_path / "q.png").stat().st_size > 1000
+
+
+def test_table_gives_the_experts_saved_in_the_rows_own_steps():
+    result = json.loads((REPO / "docs" / "results" / "quality_v2.json").read_text())
+    sere = next(r for r in result["rows"] if r["routing"] == "sere")
+    assert report.experts_saved(sere) == pytest.approx(100 * (1 - sere["experts_read"] / sere["experts_routed"]))
+    assert report.experts_saved(result["rows"][0]) == 0.0
+    assert report.experts_saved({**sere, "experts_routed": None}) is None  # no metrics scraped
+    line = next(ln for ln in report.table(result).splitlines() if " sere " in ln)
+    assert f" {report.experts_saved(sere):.1f} " in line
 
 
 def test_ask_reports_a_failed_request():
