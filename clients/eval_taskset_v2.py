@@ -8,8 +8,8 @@ bytes (`taskset_v2.png_bytes`) through `clients/eval_quality.py`'s server loop (
 asks the `mm_qa` ensemble and reads back the text and `visual_tokens_kept` per image.
 How it is scored: `clients/quality_metrics.py`'s `best_score` (SQuAD-normalised exact match and
 token F1) per answer; a failed request scores 0 on both.
-Where it goes: each row of eval_quality's result gains `exact`, `f1`, `f1_by_task` and
-`experts_read_per_layer_step` (the server's distinct experts computed per MoE layer-step); its
+Where it goes: each row of eval_quality's result gains `exact`, `f1`, `f1_by_task`, `f1_by_group`
+(knowledge questions, answered from the weights, and reading ones) and `experts_read_per_layer_step` (the server's distinct experts computed per MoE layer-step); its
 `accuracy` / `by_task` are the same exact match (so eval_quality's table keeps working); the result
 is eval_quality's (`tokens_kept: {dense, plain}` per image kind) plus `"taskset": "v2"`, written as
 OUT.json and OUT.png (F1 bars) by `run_eval`. `taskset_named` gives run_eval either task set
@@ -26,6 +26,12 @@ from zipmoe.clients import eval_quality_report as report
 from zipmoe.clients.quality_metrics import best_score, mean_scores
 
 MAX_TOKENS = 48  # v2 answers are up to 31 tokens of the trained tokenizer, plus <|im_end|>
+
+
+def task_group(task: str) -> str:
+    """A routing policy that drops expert capacity shows in the knowledge group (recalled prices);
+    the reading group copies what attention reads, and any expert serves it (docs/QUALITY.md)."""
+    return "knowledge" if task in taskset_v2.KNOWLEDGE_TASKS else "reading"
 
 
 def load_items(split: str, n: int, start: int = 0) -> list[eq.Item]:
@@ -54,8 +60,11 @@ def make_row(setting: eq.Setting, keep_ratio: float, items: list[eq.Item], answe
     tasks = sorted({item.task for item in items})
     f1_by_task = {task: mean_scores((a.text, item.answer) for item, a in zip(items, answers, strict=True)
                                     if item.task == task)["f1"] for task in tasks}
+    groups = sorted({task_group(item.task) for item in items})
+    f1_by_group = {g: mean_scores((a.text, item.answer) for item, a in zip(items, answers, strict=True)
+                                  if task_group(item.task) == g)["f1"] for g in groups}
     return {**row, "exact": overall["exact"], "f1": overall["f1"], "f1_by_task": f1_by_task,
-            "experts_read_per_layer_step": row["experts_read"]}
+            "f1_by_group": f1_by_group, "experts_read_per_layer_step": row["experts_read"]}
 
 
 def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: eq.TokenTally,
@@ -67,9 +76,10 @@ def table(result: dict) -> str:
     """eval_quality's table (its accuracy column is exact match) and each row's F1."""
     lines = [report.table(result), "token F1 (SQuAD-normalised; accuracy above is exact match):"]
     for r in result["rows"]:
+        groups = "".join(f", {g} {v:.3f}" for g, v in r.get("f1_by_group", {}).items())  # none before session 33
         tasks = " ".join(f"{t}={v:.2f}" for t, v in r["f1_by_task"].items())
         lines.append(f"  keep {r['keep_ratio']:.2f} {report.row_label(r)}: F1 {r['f1']:.3f}, exact {r['exact']:.3f}"
-                     f"  {tasks}")
+                     f"{groups}  {tasks}")
     return "\n".join(lines)
 
 

@@ -47,21 +47,23 @@ def test_load_items_are_taskset_v2_examples_as_png():
 def test_rows_score_exact_and_f1():
     items = [Item("q1", "MILK 1.99, EGGS 2.79", "receipt_list", ("dense", "plain")),
              Item("q2", "BREAD 3.49", "receipt_line", ("dense", "plain")),
-             Item("q3", "TEA 4.10", "receipt_line", ("plain", "dense"))]
+             Item("q3", "TEA 4.10", "receipt_line", ("plain", "dense")),
+             Item("q4", "FRESH MART, TEA 3.15", "store_price", ("dense", "plain"))]
     answers = [Answer("MILK 1.99, EGGS 2.97", True, [300, 40]), Answer("bread 3.49.", False, [200, 30]),
-               Answer(error="ServerError: boom")]
+               Answer(error="ServerError: boom"), Answer("FRESH MART, TEA 3.15", True, [200, 30])]
     effect = {"experts_routed": 7.5, "experts_read": 5.0, "moved_per_token": 0.5}
     row = v2.make_row(eq.TOPK, 0.6, items, answers, 2.0, effect)
-    assert [a.correct for a in answers] == [False, True, False]  # quality_metrics' exact match
-    assert row["exact"] == row["accuracy"] == pytest.approx(1 / 3, abs=1e-4)
-    assert row["f1"] == pytest.approx((0.75 + 1.0 + 0.0) / 3, abs=1e-4)
-    assert row["f1_by_task"] == {"receipt_line": 0.5, "receipt_list": 0.75}
+    assert [a.correct for a in answers] == [False, True, False, True]  # quality_metrics' exact match
+    assert row["exact"] == row["accuracy"] == pytest.approx(2 / 4, abs=1e-4)
+    assert row["f1"] == pytest.approx((0.75 + 1.0 + 0.0 + 1.0) / 4, abs=1e-4)
+    assert row["f1_by_task"] == {"receipt_line": 0.5, "receipt_list": 0.75, "store_price": 1.0}
+    assert row["f1_by_group"] == {"knowledge": 1.0, "reading": pytest.approx(1.75 / 3)}
     assert row["experts_read_per_layer_step"] == 5.0 and row["failed"] == 1
     tally = eq.TokenTally()
-    tally.add(0.6, items, answers)
-    result = v2.result_json("test", 3, "ckpt", [row], tally)
+    tally.add(0.6, items[:3], answers[:3])
+    result = v2.result_json("test", 4, "ckpt", [row], tally)
     assert result["taskset"] == "v2" and result["tokens_kept"] == {"dense": 250.0, "plain": 35.0}
-    assert "F1 0.583, exact 0.333" in v2.table(result)
+    assert "F1 0.688, exact 0.500, knowledge 1.000, reading 0.583" in v2.table(result)
 
 
 def test_taskset_names():
