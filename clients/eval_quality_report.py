@@ -37,14 +37,16 @@ def table(result: dict) -> str:
              + (f", with {overrides}" if overrides else "")
              + "  (routed/read: distinct experts per MoE layer-step; saved: 1 - read/routed, %; moved: slots"
              " re-routed per generated token; beside: share of those tokens decoded in a step with a prompt chunk)",
-             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>6} {:>5} {:>6} {:>6}  by task".format(*head)]
+             "{:>5} {:<8} {:>3} {:>4} {:>7} {:>8} {:>8} {:>6} {:>8} {:>6} {:>6} {:>5} {:>6} {:>6}  by task"
+             .format(*head)]
     for r in result["rows"]:
         tasks = " ".join(f"{t}={v:.2f}" for t, v in r["by_task"].items())
         protect = None if r["protect"] is None else ("on" if r["protect"] else "off")
         lines.append(f"{r['keep_ratio']:>5.2f} {r['routing']:<8} {fmt(r['primary_k']):>3} {fmt(r['rho'], 'g'):>4} "
                      f"{fmt(protect):>7} {r['budget']:>8} {r['accuracy']:>8.3f} {r['failed']:>6} {r['seconds']:>8.1f} "
                      f"{fmt(r['experts_routed'], '.2f'):>6} {fmt(r['experts_read'], '.2f'):>6} "
-                     f"{fmt(experts_saved(r), '.1f'):>5} {fmt(r['moved_per_token'], '.2f'):>6} {fmt(r.get('beside_prompts'), '.2f'):>6}  {tasks}")
+                     f"{fmt(experts_saved(r), '.1f'):>5} {fmt(r['moved_per_token'], '.2f'):>6} "
+                     f"{fmt(r.get('beside_prompts'), '.2f'):>6}  {tasks}")
     budgets = {DEFAULT_BUDGET: result["tokens_kept_by_keep"], **result["tokens_kept_by_budget"]}
     for budget, by_keep in budgets.items():
         lines.append(f"visual tokens kept per image (mean), budget by {budget}: " + "; ".join(

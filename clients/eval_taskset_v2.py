@@ -9,7 +9,8 @@ asks the `mm_qa` ensemble and reads back the text and `visual_tokens_kept` per i
 How it is scored: `clients/quality_metrics.py`'s `best_score` (SQuAD-normalised exact match and
 token F1) per answer; a failed request scores 0 on both.
 Where it goes: each row of eval_quality's result gains `exact`, `f1`, `f1_by_task`, `f1_by_group`
-(knowledge questions, answered from the weights, and reading ones) and `experts_read_per_layer_step` (the server's distinct experts computed per MoE layer-step); its
+(knowledge questions, answered from the weights, and reading ones) and `experts_read_per_layer_step`
+(the server's distinct experts computed per MoE layer-step); its
 `accuracy` / `by_task` are the same exact match (so eval_quality's table keeps working); the result
 is eval_quality's (`tokens_kept: {dense, plain}` per image kind) plus `"taskset": "v2"`, written as
 OUT.json and OUT.png (F1 bars) by `run_eval`. `taskset_named` gives run_eval either task set
