@@ -54,18 +54,20 @@ def rescore(items: list[eq.Item], answers: list[eq.Answer]) -> list[tuple[float,
 
 def make_row(setting: eq.Setting, keep_ratio: float, items: list[eq.Item], answers: list[eq.Answer],
              seconds: float, effect: dict[str, float | None] | None = None) -> dict:
-    """eval_quality's row with exact match and token F1 (overall and per task)."""
+    """eval_quality's row with exact match and token F1 (overall, per task and per group)."""
     rescore(items, answers)
     row = eq.make_row(setting, keep_ratio, items, answers, seconds, effect)
-    overall = mean_scores((a.text, item.answer) for item, a in zip(items, answers, strict=True))
-    tasks = sorted({item.task for item in items})
-    f1_by_task = {task: mean_scores((a.text, item.answer) for item, a in zip(items, answers, strict=True)
-                                    if item.task == task)["f1"] for task in tasks}
-    groups = sorted({task_group(item.task) for item in items})
-    f1_by_group = {g: mean_scores((a.text, item.answer) for item, a in zip(items, answers, strict=True)
-                                  if task_group(item.task) == g)["f1"] for g in groups}
-    return {**row, "exact": overall["exact"], "f1": overall["f1"], "f1_by_task": f1_by_task,
-            "f1_by_group": f1_by_group, "experts_read_per_layer_step": row["experts_read"]}
+    pairs = [(a.text, item.answer) for item, a in zip(items, answers, strict=True)]
+
+    def f1_by(key) -> dict[str, float]:
+        grouped: dict[str, list] = {}
+        for item, pair in zip(items, pairs):
+            grouped.setdefault(key(item.task), []).append(pair)
+        return {k: mean_scores(v)["f1"] for k, v in sorted(grouped.items())}
+
+    overall = mean_scores(pairs)
+    return {**row, "exact": overall["exact"], "f1": overall["f1"], "f1_by_task": f1_by(lambda task: task),
+            "f1_by_group": f1_by(task_group), "experts_read_per_layer_step": row["experts_read"]}
 
 
 def result_json(split: str, n: int, checkpoint: str, rows: list[dict], tally: eq.TokenTally,

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -29,6 +28,7 @@ from collections import deque
 from pathlib import Path
 
 # The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
+from .ports import free_port, free_ports  # noqa: F401  (serve.free_port: the clients' and tests' name)
 from .repository_config import render_repository
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
@@ -128,24 +128,6 @@ def cuda_pool_args(extra_args: list[str]) -> list[str]:
     import torch
 
     return [f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_BYTES}" for gpu in range(torch.cuda.device_count())]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports. Every socket stays bound until all are: asked one at a time,
-    the system can hand back a port just released, and a server given one port for both HTTP and
-    gRPC refuses to start (seen in CI)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def free_server_ports() -> dict[str, int]:

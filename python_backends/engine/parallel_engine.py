@@ -20,7 +20,6 @@ import dataclasses
 import os
 import random
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..checkpoint import TextConfig
+from ..ports import free_port
 from ..settings import resolve_device_dtype
 from .engine import EngineConfig, LLMEngine
 from .expert_parallel import ExpertShard
@@ -36,12 +36,6 @@ from .multimodal import VisualInputs
 from .sequence import SamplingParams, Sequence
 
 JOIN_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _python() -> str:
@@ -115,7 +109,7 @@ class ExpertParallelEngine(LLMEngine):
     def __init__(self, checkpoint: str | Path, config: EngineConfig):
         if config.expert_parallel_size < 2:
             raise ValueError(f"expert_parallel_size must be >= 2 here, got {config.expert_parallel_size}")
-        checkpoint, size, port = str(checkpoint), config.expert_parallel_size, _free_port()
+        checkpoint, size, port = str(checkpoint), config.expert_parallel_size, free_port()
         ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no CUDA state inherited from this one
         ctx.set_executable(_python())
         self._workers = [ctx.Process(target=_worker, args=(r, size, port, checkpoint, config), daemon=True,
