@@ -175,7 +175,15 @@ def _http_result(obj: dict) -> dict:
 
 
 def _http_error(e: urllib.error.HTTPError) -> ServerError:
-    return _server_error(json.loads(e.read() or b"{}").get("error", str(e)))
+    """The error of a refused request: JSON from `generate`, a server-sent event from `generate_stream`."""
+    body = e.read().strip()
+    if body.startswith(b"data:"):
+        body = body.split(b"\n", 1)[0][5:]
+    try:
+        message = json.loads(body or b"{}").get("error", str(e))
+    except (ValueError, AttributeError):
+        message = f"{e}: {body[:500].decode('utf-8', 'replace')}"
+    return _server_error(message)
 
 
 def http_generate(url: str, model: str = "mm_qa", timeout: float = 300, **inputs) -> dict:

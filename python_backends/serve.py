@@ -29,6 +29,7 @@ from pathlib import Path
 
 # The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
 from .ports import free_port, free_ports  # noqa: F401  (serve.free_port: the clients' and tests' name)
+from .drain import DRAIN_TIMEOUT_S, drain
 from .repository_config import render_repository
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
@@ -172,6 +173,8 @@ class TritonServer:
         self.host = host
         self.process: subprocess.Popen | None = None
         self._workdir: Path | None = None
+        self.ready = False  # wait_ready() saw every model loaded: stop() drains
+        self._stop_now = False
 
     @property
     def _client_host(self) -> str:
@@ -190,6 +193,7 @@ class TritonServer:
         return f"{self._client_host}:{self.metrics_port}"
 
     def start(self) -> None:
+        self.ready, self._stop_now = False, False
         server = find_tritonserver()
         self._workdir = Path(tempfile.mkdtemp(prefix="zipmoe-serve-"))
         repo = render_repository(self.model_repository, self._workdir / "model_repository", self.checkpoint,
@@ -205,6 +209,10 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--log-verbose=0",
             "--exit-on-error=true",
+            # Every model loaded at start, as without model control, and the entry models unloaded
+            # one by one when the server drains before it stops (drain.py).
+            "--model-control-mode=explicit",
+            "--load-model=*",
             # Configs are complete; don't let backends guess missing fields.
             "--disable-auto-complete-config",
         ]
@@ -254,16 +262,27 @@ class TritonServer:
         if failed:
             details = "\n".join(f"  {m['name']}: {m.get('state')} {m.get('reason', '')}" for m in failed)
             raise RuntimeError(f"models not ready:\n{details}")
+        self.ready = True
         return sorted({m["name"] for m in models})
 
     def send_signal(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
 
-    def stop(self, timeout: float = 30) -> int | None:
-        """SIGINT (graceful), then SIGTERM, then SIGKILL; returns the server's exit code."""
+    def stop_now(self) -> None:
+        """Ends a drain in progress (a second Ctrl-C): stop() goes on to SIGINT at once."""
+        self._stop_now = True
+        self.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 30, drain_timeout: float = DRAIN_TIMEOUT_S, log=print) -> int | None:
+        """Drains a ready server (drain.py: requests in flight finish, new ones are refused), then
+        SIGINT, then SIGTERM, then SIGKILL; returns the server's exit code."""
         if self.process is None:
             return None
+        if self.ready and self.process.poll() is None and not self._stop_now:
+            self.ready = False
+            drain(self.url_http, self.url_metrics, drain_timeout,
+                  running=lambda: self.process.poll() is None and not self._stop_now, log=log)
         for signum, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5)):
             self.send_signal(signum)
             try:

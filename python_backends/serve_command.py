@@ -2,7 +2,8 @@
 `--openai-port`, the OpenAI-compatible frontend beside it (`openai_frontend`), until a signal.
 
 With no flags it serves `checkpoints/notes`, the trained checkpoint (the configs' `checkpoint_path`).
-SIGINT/SIGTERM go to tritonserver, which finishes; then the frontend stops. While it runs,
+SIGINT/SIGTERM drain the server (`drain.py`: the requests in flight finish, new ones are refused),
+then stop it; a second signal stops it at once. Then the frontend stops. While it runs,
 `supervisor.supervise` restarts it when a model's stub process dies (server 2.51 does not recover).
 """
 from __future__ import annotations
@@ -52,8 +53,15 @@ def run(args: argparse.Namespace) -> int:
     signalled = []
 
     def forward(signum, _frame):
+        # Loading: the server stops at once. Serving: the first signal drains it (supervise -> stop),
+        # a second one stops it without waiting for what is still in flight.
         signalled.append(signum)
-        server.send_signal(signum)
+        if not server.ready:
+            server.send_signal(signum)
+        elif len(signalled) == 1:
+            print("zipmoe: draining: requests in flight finish, new ones are refused (again to stop now)", flush=True)
+        else:
+            server.stop_now()
 
     with server:
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -1,12 +1,14 @@
 """mm_qa_bls on a real server: the same answers as the mm_qa ensemble, the visual-feature cache, validation."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+import tritonclient.grpc.aio as grpc_aio
 
 from test_images_server import note
-from zipmoe.clients.triton_client import ServerError, grpc_generate, scrape_metrics
+from zipmoe.clients.triton_client import ServerError, grpc_generate, grpc_generate_async, scrape_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +78,43 @@ def test_invalid_request_is_refused(zipmoe_server, inputs, message):
         list(grpc_generate(zipmoe_server.url_grpc, model="mm_qa_bls", **inputs))
 
 
+def wait_for_cancel_counted(server, before: dict, deadline: float) -> dict:
+    """The metrics once moe_decoder counted one more cancelled request (and no other)."""
+    while True:
+        after = scrape_metrics(server.url_metrics)
+        if after.get("zipmoe_requests_cancelled_total", 0) > before.get("zipmoe_requests_cancelled_total", 0):
+            break
+        assert time.time() < deadline, "moe_decoder never saw the cancellation"
+        time.sleep(0.1)
+    assert after["zipmoe_requests_cancelled_total"] - before.get("zipmoe_requests_cancelled_total", 0) == 1
+    return after
+
+
+def test_a_cancelled_non_streamed_request_stops_the_decoder_before_its_answer(zipmoe_server):
+    """A non-streamed answer is one decoder response at its end: mm_qa_bls looks at its client while it
+    waits, so a client gone mid-generation stops the decoder all the same."""
+    before = scrape_metrics(zipmoe_server.url_metrics)
+
+    async def ask_then_leave():
+        client = grpc_aio.InferenceServerClient(zipmoe_server.url_grpc)
+        try:
+            answer = asyncio.ensure_future(anext(grpc_generate_async(
+                client, "mm_qa_bls", text_input="Tell me everything.", max_tokens=1000, ignore_eos=True,
+                stream=False)))
+            while not scrape_metrics(zipmoe_server.url_metrics).get("zipmoe_running_requests"):
+                assert not answer.done(), "answered before it could be cancelled"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # decoding
+            assert not answer.done(), "answered before it could be cancelled"
+            answer.cancel()  # the gRPC call is cancelled with it
+            await asyncio.gather(answer, return_exceptions=True)
+        finally:
+            await client.close()
+
+    asyncio.run(ask_then_leave())
+    wait_for_cancel_counted(zipmoe_server, before, time.time() + 30)
+
+
 def test_cancelled_stream_stops_the_decoder_and_leaves_the_server_answering(zipmoe_server):
     """mm_qa_bls passes the client's cancel on to moe_decoder (a control call naming the request):
     the request is counted cancelled, and the KV blocks all come back."""
@@ -87,13 +126,7 @@ def test_cancelled_stream_stops_the_decoder_and_leaves_the_server_answering(zipm
             break
     stream.close()  # stops the gRPC stream with cancel_requests=True
     deadline = time.time() + 30
-    while True:
-        after = scrape_metrics(zipmoe_server.url_metrics)
-        if after.get("zipmoe_requests_cancelled_total", 0) > before.get("zipmoe_requests_cancelled_total", 0):
-            break
-        assert time.time() < deadline, "moe_decoder never saw the cancellation"
-        time.sleep(0.1)
-    assert after["zipmoe_requests_cancelled_total"] - before.get("zipmoe_requests_cancelled_total", 0) == 1
+    after = wait_for_cancel_counted(zipmoe_server, before, deadline)
     while (after := scrape_metrics(zipmoe_server.url_metrics))["zipmoe_kv_blocks_free"] != after["zipmoe_kv_blocks_total"]:
         assert time.time() < deadline + 60, "KV blocks still held"
         time.sleep(0.2)

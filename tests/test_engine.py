@@ -120,11 +120,13 @@ def test_top_k_1_is_greedy(tiny_checkpoint):
 
 @pytest.mark.parametrize("prompt, params, message", [
     ([], greedy(), "empty"),
-    (list(range(600)), greedy(), "context holds max_model_len 512"),
+    (list(range(600)), greedy(), "context holds max_model_len 512.*ask with a shorter question"),
     ([10**6], greedy(), "outside the vocabulary"),
     (PROMPT, SamplingParams(max_tokens=0), "max_tokens"),
     (PROMPT, SamplingParams(max_tokens=10**6), "max_tokens"),
     (PROMPT, SamplingParams(temperature=-1.0), "temperature"),
+    (PROMPT, SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+    (PROMPT, SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
     (PROMPT, SamplingParams(top_p=0.0), "top_p"),
     (PROMPT, SamplingParams(top_k=-2), "top_k"),
 ])

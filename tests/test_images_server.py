@@ -110,3 +110,7 @@ def test_broken_base64_over_http_is_a_400_naming_the_image(zipmoe_server, model)
     body = {"text_input": "What?", "images": [base64.b64encode(note(0)).decode(), "aGVsbG8gd"]}
     out = _post(zipmoe_server, model, body)
     assert out["status"] == 400 and "image 1: not valid base64" in out["error"]
+    # generate_stream answers a refusal as a server-sent event, which the client reads as the error
+    with pytest.raises(ServerError, match="image 1"):
+        list(http_generate_stream(zipmoe_server.url_http, model=model, text_input="What?",
+                                  images=[note(0), b"not an image"]))

@@ -76,6 +76,16 @@ def test_sampling_parameters_map_onto_mm_qa_inputs():
     ({"model": "mm_qa", "messages": [user("q")], "max_tokens": True}, 400, "max_tokens"),
     ({"model": "mm_qa", "messages": [user("q")], "stop": [1]}, 400, "stop"),
     ({"model": "mm_qa", "messages": [user("q")], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": 123, "messages": [user("q")]}, 400, "model"),
+    ({"model": "mm_qa", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages[0].content[0].text"),
+    ({"model": "mm_qa", "messages": [user("q", "data:text/plain;base64,aGVsbG8=")]}, 400,
+     "messages[0].content[1].image_url"),
+    ({"model": "mm_qa", "messages": [{"role": "user", "content": "\ud800 hi"}]}, 400, "messages[0].content"),
+    ({"model": "mm_qa", "messages": [user("\ud800 hi")]}, 400, "messages[0].content[0].text"),
+    ({"model": "mm_qa", "messages": [user("q")], "stop": ["\udfff"]}, 400, "stop"),
+    ({"model": "mm_qa", "messages": [user("q")], "seed": 2**64 + 11}, 400, "seed"),
+    ({"model": "mm_qa", "messages": [user("q")], "seed": -2**63 - 1}, 400, "seed"),
 ])
 def test_requests_it_cannot_serve_are_refused_naming_the_parameter(body, status, param):
     with pytest.raises(OpenAIError) as e:
@@ -92,6 +102,11 @@ def test_triton_errors_are_the_client_s_unless_the_server_says_otherwise():
     busy = server_error(f"in ensemble 'mm_qa', {BUSY}")
     assert (busy.status, busy.headers, busy.body["error"]["type"]) == (503, {"retry-after": "1"}, "server_error")
     assert server_error("the server is shutting down").headers == {}
+    # Triton's words while `zipmoe serve` drains (the entry models unloaded) or stops
+    assert server_error("Request for unknown model: 'mm_qa' has no available versions").status == 503
+    assert server_error("in ensemble 'mm_qa', Server is stopping, scheduler for model has stopped accepting new "
+                        "inference requests").status == 503
+    assert server_error("Model postprocess - Error when running inference: Server not ready").status == 503
 
 
 # ---------------------------------------------------------------- the app over a fake mm_qa
@@ -147,6 +162,10 @@ def client(frontend):
 
 def test_models_lists_the_ready_ones(client):
     assert [m.id for m in client.models.list()] == ["mm_qa"]
+    assert client.models.retrieve("mm_qa").id == "mm_qa"
+    for absent in ("mm_qa_bls", "gpt-4o"):  # not ready, and not served
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve(absent)
 
 
 def test_non_streamed_answer_and_usage(client, fake):

@@ -81,7 +81,7 @@ def test_cancel_mid_stream_then_the_server_keeps_answering(client, model):
 def test_a_bad_image_is_a_400_naming_it(client, model):
     with pytest.raises(openai.BadRequestError, match="image 1: cannot decode"):
         client.chat.completions.create(model=model, messages=message([note(0), b"\x89PNG broken"]), max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="base64 data URLs"):
+    with pytest.raises(openai.BadRequestError, match="base64 data URL"):
         client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/receipt.png"}},
             {"type": "text", "text": QUESTION}]}])

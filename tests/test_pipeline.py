@@ -79,7 +79,7 @@ class Calls:
         return self.streams[-1]
 
     def detokenize(self, outputs):
-        return f"t{outputs['output_ids'][0]}"
+        return f"t{outputs['output_ids'][0]}".encode()
 
     def is_last(self, outputs):
         return bool(outputs["finish_reason"])
@@ -120,10 +120,14 @@ def ask(p: QAPipeline, sink=None, images=(), keep_ratio=None, priority=DEFAULT_P
     return sink
 
 
+def texts(sink: Sink) -> list[str]:
+    return [s["text_output"].item().decode() for s in sink.sent]
+
+
 def test_relays_every_decoder_response_with_its_text_then_closes():
     calls = Calls(responses=3)
-    sink = ask(pipeline(calls), images=[b"a", b"b"], max_tokens=np.array([7], np.int32))
-    assert [s["text_output"] for s in sink.sent] == ["t0", "t1", "t2"] and sink.error is None
+    sink = ask(pipeline(calls), images=[b"a", b"b"], max_tokens=np.array([7], np.int32), stream=np.array([True]))
+    assert texts(sink) == ["t0", "t1", "t2"] and sink.error is None
     assert sink.sent[-1]["finish_reason"] == "length" and sink.final_with_last  # no empty final response
     inputs = calls.decoded[0]
     assert inputs["max_tokens"].tolist() == [7] and inputs["input_ids"].tolist() == [0, 1, 2, 3, 4]
@@ -169,15 +173,38 @@ def test_repeated_images_come_from_the_cache_once_each():
 
 def test_cancel_mid_stream_stops_relaying_reads_the_decoder_to_its_end_then_closes():
     calls = Calls(responses=50)
-    sink = ask(pipeline(calls), sink=Sink(cancel_after=1))
+    sink = ask(pipeline(calls), sink=Sink(cancel_after=1), stream=np.array([True]))
     assert len(sink.sent) == 1 and sink.error is None
     assert calls.streams[0].cancelled_at == 2  # told to stop when the second response found the client gone
     assert calls.streams[0].drained and calls.streams[0].read == 50
 
 
+class GoneAfterLooks(Sink):
+    """A client that is gone from its `looks`-th is_cancelled() on."""
+
+    def __init__(self, looks: int):
+        super().__init__()
+        self.looks, self.looked = looks, 0
+
+    def is_cancelled(self):
+        self.looked += 1
+        return self.looked >= self.looks
+
+
+def test_a_non_streamed_answer_is_decoded_as_a_stream_joined_and_cancellable_midway():
+    calls = Calls(responses=3)
+    sink = ask(pipeline(calls), stream=np.array([False]))
+    assert texts(sink) == ["t0t1t2"] and sink.final_with_last and sink.sent[0]["output_token_count"] == 3
+    assert calls.decoded[0]["stream"].tolist() == [True]  # a BLS call returns with its first response only
+    calls = Calls(responses=50)
+    sink = ask(pipeline(calls), sink=GoneAfterLooks(looks=5))  # one look before decoding, then one a response
+    assert sink.sent == [] and sink.error is None
+    assert calls.streams[0].cancelled_at == 4 and calls.streams[0].drained
+
+
 def test_decoder_error_reaches_the_client_after_the_stream_is_drained():
     calls = Calls(responses=6, fail_at=2)
-    sink = ask(pipeline(calls))
+    sink = ask(pipeline(calls), stream=np.array([True]))
     assert len(sink.sent) == 2 and sink.error == "moe_decoder: boom"
     assert calls.streams[0].drained and calls.streams[0].read == 6
 
@@ -253,7 +280,7 @@ def test_requests_beyond_max_waiting_are_refused_busy_and_the_others_answered():
     assert published[-1]["rejected_busy"] == 1
     gate.set()
     for sink in (running, waiting):
-        assert sink.closed.wait(10) and sink.error is None and len(sink.sent) == 4
+        assert sink.closed.wait(10) and sink.error is None and texts(sink) == ["t0t1t2t3"]
     assert ask(p).error is None  # room again
 
 

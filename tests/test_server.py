@@ -134,6 +134,7 @@ def test_cancelled_stream_frees_its_blocks(zipmoe_server, tiny_checkpoint):
 
 BAD = [
     (dict(text_input=""), "text_input is empty"),
+    (dict(max_tokens=3), "text_input is empty"),  # left out: server 2.51 would let the ensemble answer nothing
     (dict(text_input="word " * 5000), "context holds"),
     (dict(text_input="hi", max_tokens=0), "max_tokens must be in"),
     (dict(text_input="hi", max_tokens=100000), "max_tokens must be in"),

@@ -17,6 +17,7 @@ request draws the same tokens either way.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,9 +202,9 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) >= cfg.max_model_len:
             kept = "" if visual is None else f", {visual.embeds.shape[0]} of them the images' kept visual tokens"
+            shorter = "a shorter question" if visual is None else "fewer images or a lower visual_keep_ratio"
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens{kept}; the context holds max_model_len "
-                               f"{cfg.max_model_len} (prompt + at least one generated token): ask with fewer images or "
-                               "a lower visual_keep_ratio")
+                               f"{cfg.max_model_len} (prompt + at least one generated token): ask with {shorter}")
         bad = [t for t in prompt_ids if not 0 <= t < self.text.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.text.vocab_size})")
@@ -216,8 +217,8 @@ class LLMEngine:
                                f"the model's hidden size is {self.text.hidden_size}")
         if not 1 <= params.max_tokens <= cfg.max_tokens_cap:
             raise RequestError(f"max_tokens must be in [1, {cfg.max_tokens_cap}], got {params.max_tokens}")
-        if params.temperature < 0 or params.temperature != params.temperature:
-            raise RequestError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 <= params.temperature < math.inf:  # NaN fails too
+            raise RequestError(f"temperature must be a finite number >= 0, got {params.temperature}")
         if not 0 < params.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:

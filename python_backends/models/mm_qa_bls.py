@@ -162,9 +162,9 @@ class BlsCalls:
         return ends_answer(outputs["finish_reason"])
 
     @staticmethod
-    def detokenize(outputs: dict):
+    def detokenize(outputs: dict) -> bytes:
         window = {name: outputs[name] for name in ("output_ids", "text_range")}
-        return infer("postprocess", window, ["text_output"])["text_output"]
+        return infer("postprocess", window, ["text_output"])["text_output"].as_numpy().reshape(-1)[0]
 
 
 class Sink:

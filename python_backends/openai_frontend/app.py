@@ -1,4 +1,4 @@
-"""The ASGI app of the OpenAI-compatible API: `/v1/models` and `/v1/chat/completions`.
+"""The ASGI app of the OpenAI-compatible API: `/v1/models` (and `/v1/models/{model}`) and `/v1/chat/completions`.
 
 A chat request comes in as JSON, `chat.parse_chat` maps it onto mm_qa's inputs, and the request
 goes to Triton over one gRPC stream (`TritonBackend`, tritonclient's asyncio client); mm_qa's
@@ -157,10 +157,18 @@ def _error(error: OpenAIError) -> JSONResponse:
 def create_app(backend: Backend, models: tuple[str, ...] = CLIENT_MODELS) -> Starlette:
     created = int(time.time())
 
+    def card(model: str) -> dict:
+        return {"id": model, "object": "model", "created": created, "owned_by": "zipmoe"}
+
     async def list_models(request: Request) -> Response:
-        ready = [m for m in models if await backend.ready(m)]
-        return JSONResponse({"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": "zipmoe"} for m in ready]})
+        return JSONResponse({"object": "list", "data": [card(m) for m in models if await backend.ready(m)]})
+
+    async def retrieve_model(request: Request) -> Response:
+        model = request.path_params["model"]
+        if model not in models or not await backend.ready(model):
+            return _error(OpenAIError(404, f"the model {model!r} does not exist or is not ready; this server has "
+                                           f"{', '.join(models)}", "model", "model_not_found"))
+        return JSONResponse(card(model))
 
     async def chat_completions(request: Request) -> Response:
         try:
@@ -180,5 +188,6 @@ def create_app(backend: Backend, models: tuple[str, ...] = CLIENT_MODELS) -> Sta
         yield
         await backend.close()
 
-    routes = [Route("/v1/models", list_models), Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    routes = [Route("/v1/models", list_models), Route("/v1/models/{model}", retrieve_model),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)

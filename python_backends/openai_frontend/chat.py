@@ -29,6 +29,11 @@ EXTENSIONS = {"top_k": int, "ignore_eos": bool, "visual_keep_ratio": float, "pri
 UNSUPPORTED = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
                "functions": (None, []), "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0),
                "presence_penalty": (None, 0, 0.0)}
+# Triton's own words for a model it does not serve right now (an entry model unloaded while the server
+# drains, `serve.TritonServer.drain`) or for a server that is stopping: 503, as our SHUTTING_DOWN.
+UNAVAILABLE_PHRASES = ("has no available versions", "Server is stopping", "Server not ready")
+# The range of `seed` (int64, as vLLM takes it); mm_qa's random_seed is its UINT64 bit pattern.
+SEED_RANGE = (-2**63, 2**63 - 1)
 # Retry-After of a busy refusal, in seconds: waiting requests are admitted as running ones finish, so
 # the queue moves within seconds. The openai clients wait that long and retry a 503 (twice by default).
 RETRY_AFTER_S = 1
@@ -55,7 +60,7 @@ def server_error(message: str, unavailable: bool = False) -> OpenAIError:
     not 429: the server as a whole is overloaded, not this client over a quota of its own."""
     if SERVER_BUSY in message:  # nothing was generated: the same request may be sent again
         return OpenAIError(503, message, retry_after=RETRY_AFTER_S)
-    if unavailable or SHUTTING_DOWN in message:
+    if unavailable or any(phrase in message for phrase in (SHUTTING_DOWN, *UNAVAILABLE_PHRASES)):
         return OpenAIError(503, message)
     if INTERNAL_ERROR in message:
         return OpenAIError(500, message)
@@ -89,14 +94,25 @@ def _typed(body: dict, name: str, kind: type, check=None, must: str = ""):
     return kind(value)
 
 
+def _text(value: str, param: str) -> str:
+    """value, refused when it is no valid Unicode (a lone surrogate: JSON's \\ud800 escapes parse into one)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"not valid Unicode text: {e.reason} at character {e.start}", param) from None
+    return value
+
+
 def _image(part: dict, param: str) -> bytes:
     source = part.get("image_url")
     url = source.get("url") if isinstance(source, dict) else source
     if not isinstance(url, str):
         raise _bad("an image_url part needs image_url.url", param)
     if url[:5].lower() != "data:":
-        raise _bad("only base64 data URLs are taken (data:image/png;base64,...): the server fetches no URLs, "
-                   "it has no network access by default", param)
+        raise _bad("image_url.url must be a base64 data URL (data:image/png;base64,...): the server fetches "
+                   "no URLs, it has no network access by default", param)
+    if not url[5:11].lower() == "image/":
+        raise _bad(f"image_url.url must hold an image (data:image/...), got {url[:url.find(',')][:40]!r}", param)
     try:
         return image_bytes(url.encode("ascii"), "image_url")
     except (BadInput, UnicodeEncodeError) as e:
@@ -107,14 +123,17 @@ def _content(message: dict, i: int) -> tuple[str, list[bytes]]:
     """A message's text (its text parts joined by newlines) and images."""
     content, param = message.get("content"), f"messages[{i}].content"
     if content is None or isinstance(content, str):
-        return content or "", []
+        return _text(content or "", param), []
     if not isinstance(content, list):
         raise _bad("content must be a string or a list of content parts", param)
     texts, images = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise _bad("a text part needs its text as a string: {\"type\": \"text\", \"text\": \"...\"}",
+                           f"{param}[{j}].text")
+            texts.append(_text(part["text"], f"{param}[{j}].text"))
         elif kind == "image_url" and message["role"] == "user":
             images.append(_image(part, f"{param}[{j}].image_url"))
         else:
@@ -148,8 +167,10 @@ def parse_chat(body, models) -> ChatRequest:
     if not isinstance(body, dict):
         raise _bad("the body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str):
+    if model is None:
         raise _bad("model is required", "model")
+    if not isinstance(model, str):
+        raise _bad(f"model must be a string, got {model!r}", "model")
     if model not in models:
         raise OpenAIError(404, f"the model {model!r} does not exist; this server has {', '.join(models)}",
                           "model", "model_not_found")
@@ -168,7 +189,8 @@ def parse_chat(body, models) -> ChatRequest:
         "max_tokens": _typed(body, limit, int, lambda v: v >= 1, "at least 1"),
         "temperature": _typed(body, "temperature", float, lambda v: 0 <= v <= 2, "in [0, 2]"),
         "top_p": _typed(body, "top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
-        "random_seed": None if (seed := _typed(body, "seed", int)) is None else seed % 2**64,  # int64 -> UINT64
+        "random_seed": None if (seed := _typed(body, "seed", int, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1],
+                                                "a 64-bit signed integer")) is None else seed % 2**64,
         **{name: _typed(body, name, kind) for name, kind in EXTENSIONS.items()},
     }
     inputs.update({k: v for k, v in sampling.items() if v is not None})
@@ -177,7 +199,7 @@ def parse_chat(body, models) -> ChatRequest:
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
         raise _bad("stop must be a string or a list of strings", "stop")
     if stops:
-        inputs["stop_words"] = stops
+        inputs["stop_words"] = [_text(s, "stop") for s in stops]
     stream = _typed(body, "stream", bool) or False
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

@@ -61,7 +61,9 @@ DECODER_OPTIONS = _specs(
 )
 
 CLIENT_INPUTS = _specs(
-    TensorSpec("text_input", "BYTES", (1,), False, None, "the question"),
+    # Declared optional so that a request without it reaches preprocess / mm_qa_bls, which refuse it
+    # ("text_input is empty: ask a question"); server 2.51 checks only how many inputs came.
+    TensorSpec("text_input", "BYTES", (1,), True, None, "the question (required)"),
     TensorSpec("images", "BYTES", (-1,), True, (), "encoded images (JPEG, PNG, ...), in the order the question names them"),
     *DECODER_OPTIONS.values(),
     TensorSpec("visual_keep_ratio", "FP32", (1,), True, None,

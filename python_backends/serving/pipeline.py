@@ -7,7 +7,8 @@ the requests moe_decoder refuses busy. Per request, on a worker thread: preproce
 image's features from the cache or, for the misses (batched with other requests' misses by
 `VisionBatcher`), image_decode -> vision_encoder at keep ratio 1.0 -> VisionZip over all the
 request's images under one budget, at the keep ratio the degradation level and the request's
-priority give (`serving.load`) -> moe_decoder (streams) -> postprocess per response -> client.
+priority give (`serving.load`) -> moe_decoder (streams, always) -> postprocess per response -> client
+(each response, or one at the end when the client did not ask to stream).
 The cache holds features *before* VisionZip, so a cached image serves any keep ratio; it
 lives in host memory, so this path copies each missed image's features to the host once and the
 kept tokens back to moe_decoder (mm_qa keeps them on the GPU all the way).
@@ -81,7 +82,7 @@ class ModelCalls(Protocol):
     def tokenize(self, question: str, image_count: int) -> object: ...  # preprocess -> input_ids
     def encode_images(self, images: list[bytes]) -> list[ImageFeatures]: ...  # image_decode -> vision_encoder
     def decode(self, inputs: dict) -> DecoderStream: ...  # moe_decoder
-    def detokenize(self, outputs: dict) -> object: ...  # postprocess: a response's window -> text_output
+    def detokenize(self, outputs: dict) -> bytes: ...  # postprocess: a response's window -> its text (UTF-8)
     def is_last(self, outputs: dict) -> bool: ...  # the decoder's response that ends the answer (a finish_reason)
 
 
@@ -256,18 +257,27 @@ class QAPipeline:
             decoder_in.update(decoder_inputs(compress(features, ratio, vz.context_fraction, vz.min_tokens_per_image)))
         if sink.is_cancelled():
             return None
-        stream = self.calls.decode(decoder_in)
-        finished, last = False, None
+        # moe_decoder always streams here: server 2.51's BLS call returns with its first response only,
+        # so a non-streamed decode (one response, at the end) would hold this thread, deaf to a cancel
+        # of its client, for the whole answer. A non-streamed answer is joined here from the deltas.
+        streaming = bool(np.asarray(request.decoder_inputs.get("stream", False)).reshape(-1)[0])
+        stream = self.calls.decode({**decoder_in, "stream": np.asarray([True])})
+        finished, last, texts = False, None, []
         try:
             for out in stream:
                 if sink.is_cancelled():
                     stream.cancel()
                     return None
-                response = {"text_output": self.calls.detokenize(out), **{name: out[name] for name in RELAYED}}
-                if self.calls.is_last(out):
-                    last = response
-                else:
-                    sink.send(response)
+                texts.append(self.calls.detokenize(out))
+                is_last = self.calls.is_last(out)
+                if streaming or is_last:
+                    response = {"text_output": np.asarray([b"".join(texts)], np.object_),
+                                **{name: out[name] for name in RELAYED}}
+                    texts = []
+                    if is_last:
+                        last = response
+                    else:
+                        sink.send(response)
             finished = True
         finally:
             if not finished:  # cancelled, or an error: see the module docstring
