@@ -24,12 +24,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import deque
 from pathlib import Path
 
-# The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
-from .ports import free_port, free_ports  # noqa: F401  (serve.free_port: the clients' and tests' name)
 from .drain import DRAIN_TIMEOUT_S, drain
+from .ports import free_port, free_ports  # noqa: F401  (serve.free_port: the clients' and tests' name)
+# The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
 from .repository_config import render_repository
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
@@ -175,6 +176,7 @@ class TritonServer:
         self._workdir: Path | None = None
         self.ready = False  # wait_ready() saw every model loaded: stop() drains
         self._stop_now = False
+        self._shm_prefix: str | None = None
 
     @property
     def _client_host(self) -> str:
@@ -219,6 +221,11 @@ class TritonServer:
         backends = prepare_backend_dir(server, self._workdir)
         if backends is not None:
             cmd.append(f"--backend-directory={backends}")
+        if not any("shm-region-prefix-name" in arg for arg in self.extra_args):
+            # The Python stubs' shared memory under a name of this server's own, so that what a server
+            # that did not exit cleanly (its exit timeout, a crash) left in /dev/shm can be removed.
+            self._shm_prefix = f"zipmoe_{uuid.uuid4().hex[:12]}_"
+            cmd.append(f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}")
         cmd += cuda_pool_args(self.extra_args) + self.extra_args
         log = open(self.log_path, "ab") if self.log_path is not None else None
         try:
@@ -300,6 +307,7 @@ class TritonServer:
             time.sleep(0.05)
         else:
             self._kill_group()
+        self._remove_shared_memory()
         return self.process.returncode
 
     def kill(self) -> None:
@@ -310,6 +318,13 @@ class TritonServer:
             if not self._group_alive():
                 break
             time.sleep(0.05)
+        self._remove_shared_memory()
+
+    def _remove_shared_memory(self) -> None:
+        """The stubs' regions a server that is gone left behind (none after a clean exit)."""
+        if self._shm_prefix is not None and Path("/dev/shm").is_dir():
+            for region in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
+                region.unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Kills the server and starts a new one on the same ports and configuration."""

@@ -250,6 +250,19 @@ def test_stop_leaves_no_process(tmp_path):
 
 
 @pytest.mark.integration
+def test_a_killed_server_leaves_no_shared_memory(tmp_path):
+    """The Python stubs' regions in /dev/shm carry the server's own prefix; a server killed (no clean
+    exit of its stubs) leaves them behind, and kill() removes them."""
+    s = serve.TritonServer(make_repository(tmp_path), log_path=tmp_path / "server.log", **serve.free_server_ports())
+    with s:
+        s.wait_ready(timeout=120)
+        regions = list(Path("/dev/shm").glob(f"{s._shm_prefix}*"))
+        assert regions
+        s.kill()
+        assert not [r for r in regions if r.exists()]
+
+
+@pytest.mark.integration
 def test_run_stops_cleanly_on_sigint(tmp_path):
     ports = serve.free_server_ports()
     code = (
