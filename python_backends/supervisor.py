@@ -53,8 +53,8 @@ def dead(pid: int) -> bool:
 
 def supervise(server, stopping, log=print) -> int:
     """Waits for the server to exit, restarting it whenever one of its stubs dies or it exits on its
-    own; `stopping()` says a signal asked it to stop (then it is drained and stopped: `TritonServer.stop`). Returns the
-    server's exit code."""
+    own; `stopping()` says a signal asked it to stop (then `TritonServer.stop` drains and stops it).
+    Returns the server's exit code."""
     restarts: deque[float] = deque()
     while True:
         stubs = stub_pids(server.process.pid)

@@ -111,7 +111,7 @@ def _image(part: dict, param: str) -> bytes:
     if url[:5].lower() != "data:":
         raise _bad("image_url.url must be a base64 data URL (data:image/png;base64,...): the server fetches "
                    "no URLs, it has no network access by default", param)
-    if not url[5:11].lower() == "image/":
+    if url[5:11].lower() != "image/":
         raise _bad(f"image_url.url must hold an image (data:image/...), got {url[:url.find(',')][:40]!r}", param)
     try:
         return image_bytes(url.encode("ascii"), "image_url")
