@@ -5,9 +5,10 @@ what a finished request adds to them."""
 # stats() name -> (Prometheus metric, help), as the adapter publishes them; counters only grow.
 COUNTERS = {
     "requests_completed": ("zipmoe_requests_completed_total", "Requests that finished generating"),
+    # The next three count finished requests only (not cancelled ones): decode_us / decode_tokens is their ITL.
     "ttft_us": ("zipmoe_ttft_microseconds_total", "Sum of time to first token (arrival to first token)"),
     "decode_us": ("zipmoe_decode_microseconds_total", "Sum of time from first to last token"),
-    "decode_tokens": ("zipmoe_decode_tokens_total", "Tokens generated after the first one"),
+    "decode_tokens": ("zipmoe_decode_tokens_total", "Tokens generated after the first one, by finished requests"),
     "prompt_tokens": ("zipmoe_prompt_tokens_total", "Prompt tokens prefilled"),
     "preemptions": ("zipmoe_preemptions_total", "Sequences preempted for lack of KV blocks"),
     "engine_steps": ("zipmoe_engine_steps_total", "Engine steps run: decode, prompt chunks or both"),
