@@ -51,6 +51,10 @@ def _array(name: str, value) -> np.ndarray:
     values = list(value) if name in LIST_INPUTS else [value]
     if dtype is np.object_:
         values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+    elif np.issubdtype(dtype, np.integer):  # numpy < 2 wraps an integer out of range without a word
+        limits = np.iinfo(dtype)
+        if not all(limits.min <= int(v) <= limits.max for v in values):
+            raise ValueError(f"{name} must be in [{limits.min}, {limits.max}], got {value}")
     return np.asarray(values, dtype=dtype)
 
 

@@ -70,11 +70,15 @@ def stream_answer(url: str, inputs: dict, protocol: str = "grpc", out=sys.stdout
 
 
 def cmd_ask(args) -> int:
+    from tritonclient.utils import InferenceServerException
+
     from zipmoe.clients.triton_client import ServerError
 
     try:
         r = stream_answer(args.url, _inputs(args), "http" if args.http else "grpc")
-    except (ServerError, OSError) as e:  # the server's answer; an image that cannot be read; no server
+    # the server's answer; a value out of its input's range; an image that cannot be read; no server
+    # (tritonclient's own exception when the gRPC stream broke before the request went out)
+    except (ServerError, ValueError, OSError, InferenceServerException) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"[{r.get('input_token_count')} prompt tokens, {r.get('output_token_count')} generated, "

@@ -28,10 +28,13 @@ import uuid
 from collections import deque
 from pathlib import Path
 
-from .drain import DRAIN_TIMEOUT_S, drain
-from .ports import free_port, free_ports  # noqa: F401  (serve.free_port: the clients' and tests' name)
+from .drain import ADMIN_HEADER, DRAIN_TIMEOUT_S, drain
+from .ports import free_port, free_ports, port_in_use  # noqa: F401  (serve.free_port: the clients' and tests' name)
 # The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
 from .repository_config import render_repository
+from .serving.shared_level import segment_path
+
+EXIT_TIMEOUT_S = 15  # tritonserver's wait for requests in flight and models unloading at exit (default 30)
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 # The trained notes checkpoint (build/train_tiny.py), committed: what the demo and `zipmoe eval` use.
@@ -177,6 +180,8 @@ class TritonServer:
         self.ready = False  # wait_ready() saw every model loaded: stop() drains
         self._stop_now = False
         self._shm_prefix: str | None = None
+        self._repository: Path | None = None
+        self._admin_key = uuid.uuid4().hex
 
     @property
     def _client_host(self) -> str:
@@ -194,12 +199,22 @@ class TritonServer:
     def url_metrics(self) -> str:
         return f"{self._client_host}:{self.metrics_port}"
 
+    def check_ports(self) -> None:
+        """RuntimeError when a port is in use: wait_ready() would hear another server there (whose
+        models a drain would then unload)."""
+        taken = [port for port in (self.http_port, self.grpc_port, self.metrics_port) if port_in_use(self.host, port)]
+        if taken:
+            raise RuntimeError(f"port(s) {', '.join(map(str, taken))} on {self.host} in use: another server runs "
+                               "there (stop it, or give --http-port/--grpc-port/--metrics-port)")
+
     def start(self) -> None:
         self.ready, self._stop_now = False, False
         server = find_tritonserver()
+        self.check_ports()
         self._workdir = Path(tempfile.mkdtemp(prefix="zipmoe-serve-"))
         repo = render_repository(self.model_repository, self._workdir / "model_repository", self.checkpoint,
                                  self.overrides)
+        self._repository = repo
         cmd = [
             str(server),
             f"--model-repository={repo}",
@@ -212,9 +227,15 @@ class TritonServer:
             "--log-verbose=0",
             "--exit-on-error=true",
             # Every model loaded at start, as without model control, and the entry models unloaded
-            # one by one when the server drains before it stops (drain.py).
+            # one by one when the server drains before it stops (drain.py). The repository API (index,
+            # load, unload) answers only requests with this server's admin key: no client can unload a model.
             "--model-control-mode=explicit",
             "--load-model=*",
+            f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_key}",
+            f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_key}",
+            # What is still in flight after a drain is past its deadline, or a model 2.51 never lets go
+            # (drain.py): drain (25 s) and exit stay within a minute, Kubernetes' grace period.
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             # Configs are complete; don't let backends guess missing fields.
             "--disable-auto-complete-config",
         ]
@@ -239,8 +260,14 @@ class TritonServer:
             if log is not None:
                 log.close()
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What a request to the repository API (index, load, unload) must carry."""
+        return {ADMIN_HEADER: self._admin_key}
+
     def _request(self, method: str, path: str, body: bytes | None = None):
-        req = urllib.request.Request(f"http://{self.url_http}{path}", data=body, method=method)
+        req = urllib.request.Request(f"http://{self.url_http}{path}", data=body, method=method,
+                                     headers=self.admin_headers)
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, r.read()
 
@@ -277,9 +304,10 @@ class TritonServer:
             self.process.send_signal(signum)
 
     def stop_now(self) -> None:
-        """Ends a drain in progress (a second Ctrl-C): stop() goes on to SIGINT at once."""
+        """A second Ctrl-C: the server and its stubs are killed at once (requests still running fail)."""
         self._stop_now = True
-        self.send_signal(signal.SIGINT)
+        if self.process is not None:
+            self._kill_group()
 
     def stop(self, timeout: float = 30, drain_timeout: float = DRAIN_TIMEOUT_S, log=print) -> int | None:
         """Drains a ready server (drain.py: requests in flight finish, new ones are refused), then
@@ -288,7 +316,7 @@ class TritonServer:
             return None
         if self.ready and self.process.poll() is None and not self._stop_now:
             self.ready = False
-            drain(self.url_http, self.url_metrics, drain_timeout,
+            drain(self.url_http, self.url_metrics, self.admin_headers, drain_timeout,
                   running=lambda: self.process.poll() is None and not self._stop_now, log=log)
         for signum, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5)):
             self.send_signal(signum)
@@ -321,10 +349,15 @@ class TritonServer:
         self._remove_shared_memory()
 
     def _remove_shared_memory(self) -> None:
-        """The stubs' regions a server that is gone left behind (none after a clean exit)."""
+        """What a server that is gone left in shared memory (nothing after a clean exit): its stubs'
+        regions, and its models' segments (serving/shared_level.py: the keep-ratio level, the GPU turn)."""
         if self._shm_prefix is not None and Path("/dev/shm").is_dir():
             for region in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
                 region.unlink(missing_ok=True)
+        if self._repository is not None:
+            level = segment_path(self._repository / "any_model")
+            for segment in level.parent.glob(f"zipmoe-*-{level.name.rsplit('-', 1)[1]}"):
+                segment.unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Kills the server and starts a new one on the same ports and configuration."""

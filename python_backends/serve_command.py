@@ -59,10 +59,15 @@ def run(args: argparse.Namespace) -> int:
         if not server.ready:
             server.send_signal(signum)
         elif len(signalled) == 1:
-            print("zipmoe: draining: requests in flight finish, new ones are refused (again to stop now)", flush=True)
+            print("zipmoe: draining: requests in flight finish, new ones are refused (again to kill now)", flush=True)
         else:
             server.stop_now()
 
+    try:
+        server.check_ports()
+    except RuntimeError as e:
+        print(f"zipmoe: {e}", file=sys.stderr)
+        return 1
     with server:
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         frontend = None

@@ -78,8 +78,8 @@ def supervise(server, stopping, log=print) -> int:
             return 1
         restarts.append(now)
         log(f"zipmoe: {cause}; restarting tritonserver (in-flight requests fail)")
-        server.restart()
         try:
+            server.restart()
             server.wait_ready()
         except (RuntimeError, TimeoutError) as e:
             log(f"zipmoe: the restarted server did not come up: {e}")

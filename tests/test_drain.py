@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,6 +22,10 @@ TOKENS = 200
 @pytest.mark.integration
 def test_streams_in_flight_finish_and_new_requests_are_refused(tiny_checkpoint, tmp_path_factory):
     with tiny_server(tiny_checkpoint, tmp_path_factory, "drain") as server:
+        # Only the server's own admin key may unload a model: no client can take one away
+        unload = urllib.request.Request(f"http://{server.url_http}/v2/repository/models/mm_qa/unload", b"{}")
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(unload, timeout=10)
         started = {model: threading.Event() for model in ("mm_qa", "mm_qa_bls")}
 
         def stream(model):
@@ -34,7 +40,8 @@ def test_streams_in_flight_finish_and_new_requests_are_refused(tiny_checkpoint, 
         with ThreadPoolExecutor(3) as pool:
             streams = {model: pool.submit(stream, model) for model in started}
             assert all(event.wait(120) for event in started.values())
-            drained = pool.submit(drain, server.url_http, server.url_metrics, 120, log=lambda line: None)
+            drained = pool.submit(drain, server.url_http, server.url_metrics, server.admin_headers, 120,
+                                  log=lambda line: None)
             deadline = time.monotonic() + 30
             while True:  # the entries are unloaded at once, their streams still running
                 try:
@@ -57,11 +64,11 @@ class FakeServer:
     def __init__(self, monkeypatch, busy_polls: int, unload_polls: float):
         self.polls, self.busy_polls, self.unload_polls, self.unloaded = 0, busy_polls, unload_polls, []
         monkeypatch.setattr(drain_module, "POLL_S", 0.01)
-        monkeypatch.setattr(drain_module, "_post", lambda url, path: self.unloaded.append(path))
+        monkeypatch.setattr(drain_module, "_post", lambda url, path, headers: self.unloaded.append(path))
         monkeypatch.setattr(drain_module, "entry_states", self.states)
         monkeypatch.setattr(drain_module, "decoder_sequences", self.sequences)
 
-    def states(self, url):
+    def states(self, url, headers):
         state = "READY" if not self.unloaded else "UNLOADING" if self.polls < self.unload_polls else "UNAVAILABLE"
         return {"mm_qa": state, "mm_qa_bls": state}
 
@@ -77,10 +84,10 @@ class FakeServer:
 ])
 def test_how_a_drain_ends(monkeypatch, busy_polls, unload_polls, timeout, ended):
     fake = FakeServer(monkeypatch, busy_polls, unload_polls)
-    assert drain("http", "metrics", timeout, quiet_s=0.1, log=lambda line: None) == ended
+    assert drain("http", "metrics", {}, timeout, quiet_s=0.1, log=lambda line: None) == ended
     assert fake.unloaded == ["/v2/repository/models/mm_qa/unload", "/v2/repository/models/mm_qa_bls/unload"]
 
 
 def test_a_drain_told_to_stop_ends_at_once(monkeypatch):
     FakeServer(monkeypatch, 10**9, float("inf"))
-    assert drain("http", "metrics", 10, running=lambda: False, log=lambda line: None) == "stopped"
+    assert drain("http", "metrics", {}, 10, running=lambda: False, log=lambda line: None) == "stopped"

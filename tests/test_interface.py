@@ -88,3 +88,12 @@ def test_client_arrays_follow_the_table():
     assert triton_client._array("random_seed", 3).dtype == np.uint64
     with pytest.raises(ValueError, match="no input 'nope'"):
         triton_client._array("nope", 1)
+
+
+def test_the_client_refuses_integers_its_tensors_cannot_hold():
+    """numpy < 2 would wrap them (max_tokens 2**32 + 3 asked for 3 tokens)."""
+    with pytest.raises(ValueError, match=r"max_tokens must be in \[-2147483648, 2147483647\], got 4294967299"):
+        triton_client._array("max_tokens", 2**32 + 3)
+    with pytest.raises(ValueError, match="random_seed must be in"):
+        triton_client._array("random_seed", -1)
+    assert triton_client._array("random_seed", 2**64 - 1).tolist() == [2**64 - 1]

@@ -86,6 +86,12 @@ def test_sampling_parameters_map_onto_mm_qa_inputs():
     ({"model": "mm_qa", "messages": [user("q")], "stop": ["\udfff"]}, 400, "stop"),
     ({"model": "mm_qa", "messages": [user("q")], "seed": 2**64 + 11}, 400, "seed"),
     ({"model": "mm_qa", "messages": [user("q")], "seed": -2**63 - 1}, 400, "seed"),
+    ({"model": "mm_qa", "messages": [user("q")], "max_tokens": 2**32 + 3}, 400, "max_tokens"),
+    ({"model": "mm_qa", "messages": [user("q")], "priority": 2**32}, 400, "priority"),
+    ({"model": "mm_qa", "messages": [user("q")], "top_k": 2**32 + 1}, 400, "top_k"),
+    ({"model": "mm_qa", "messages": [{"role": "user", "content": ["q"]}]}, 400, "messages[0].content[0]"),
+    ({"model": "mm_qa", "messages": [user("q", "data:image/png;base64,\ud800")]}, 400,
+     "messages[0].content[1].image_url"),
 ])
 def test_requests_it_cannot_serve_are_refused_naming_the_parameter(body, status, param):
     with pytest.raises(OpenAIError) as e:

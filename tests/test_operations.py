@@ -68,7 +68,8 @@ def test_kubernetes_probes_use_triton_health_endpoints_and_prometheus_scrapes_th
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 9000}
     probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert probes["readinessProbe"] == probes["startupProbe"] == {"path": "/v2/health/ready", "port": "http"}
+    assert probes["startupProbe"] == {"path": "/v2/health/ready", "port": "http"}
+    assert probes["readinessProbe"] == {"path": "/v2/models/mm_qa/ready", "port": "http"}  # 400 from a drain's start
     assert probes["livenessProbe"] == {"path": "/v2/health/live", "port": "http"}
     assert {p["name"] for p in service["spec"]["ports"]} == set(ports)
     scrape = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]

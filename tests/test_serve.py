@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from zipmoe import repository_config, serve
+from zipmoe.serving.shared_level import segment_path
 
 ECHO_MODEL = '''
 import triton_python_backend_utils as pb_utils
@@ -257,9 +259,22 @@ def test_a_killed_server_leaves_no_shared_memory(tmp_path):
     with s:
         s.wait_ready(timeout=120)
         regions = list(Path("/dev/shm").glob(f"{s._shm_prefix}*"))
+        level = segment_path(s._repository / "any_model")  # as a zipmoe model of this server makes it
+        level.write_bytes(b"\0" * 8)
         assert regions
         s.kill()
-        assert not [r for r in regions if r.exists()]
+        assert not [r for r in regions if r.exists()] and not level.exists()
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        s = serve.TritonServer(make_repository(tmp_path), **{**serve.free_server_ports(), "http_port": port})
+        with pytest.raises(RuntimeError, match=f"port\\(s\\) {port} on 127.0.0.1 in use"):
+            s.start()
+        assert s.process is None
 
 
 @pytest.mark.integration

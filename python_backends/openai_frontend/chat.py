@@ -32,8 +32,10 @@ UNSUPPORTED = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None,
 # Triton's own words for a model it does not serve right now (an entry model unloaded while the server
 # drains, `serve.TritonServer.drain`) or for a server that is stopping: 503, as our SHUTTING_DOWN.
 UNAVAILABLE_PHRASES = ("has no available versions", "Server is stopping", "Server not ready")
-# The range of `seed` (int64, as vLLM takes it); mm_qa's random_seed is its UINT64 bit pattern.
+# The range of `seed` (int64, as vLLM takes it); mm_qa's random_seed is its UINT64 bit pattern. The other
+# integers are mm_qa's INT32 inputs: past INT32_RANGE tritonclient would wrap them silently.
 SEED_RANGE = (-2**63, 2**63 - 1)
+INT32_RANGE = (-2**31, 2**31 - 1)
 # Retry-After of a busy refusal, in seconds: waiting requests are admitted as running ones finish, so
 # the queue moves within seconds. The openai clients wait that long and retry a 503 (twice by default).
 RETRY_AFTER_S = 1
@@ -89,6 +91,8 @@ def _typed(body: dict, name: str, kind: type, check=None, must: str = ""):
     number = kind is float and isinstance(value, int)
     if isinstance(value, bool) != (kind is bool) or not (isinstance(value, kind) or number):
         raise _bad(f"{name} must be {'a number' if kind is float else kind.__name__}, got {value!r}", name)
+    if kind is int and name != "seed" and not INT32_RANGE[0] <= value <= INT32_RANGE[1]:  # mm_qa's INT32 inputs
+        raise _bad(f"{name} must be a 32-bit integer, got {value!r}", name)
     if check is not None and not check(value):
         raise _bad(f"{name} must be {must}, got {value!r}", name)
     return kind(value)
@@ -108,6 +112,7 @@ def _image(part: dict, param: str) -> bytes:
     url = source.get("url") if isinstance(source, dict) else source
     if not isinstance(url, str):
         raise _bad("an image_url part needs image_url.url", param)
+    url = _text(url, param)
     if url[:5].lower() != "data:":
         raise _bad("image_url.url must be a base64 data URL (data:image/png;base64,...): the server fetches "
                    "no URLs, it has no network access by default", param)
@@ -128,7 +133,10 @@ def _content(message: dict, i: int) -> tuple[str, list[bytes]]:
         raise _bad("content must be a string or a list of content parts", param)
     texts, images = [], []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            raise _bad(f"a content part is an object with a type (text or image_url), got {part!r:.40}",
+                       f"{param}[{j}]")
+        kind = part.get("type")
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise _bad("a text part needs its text as a string: {\"type\": \"text\", \"text\": \"...\"}",
