@@ -309,7 +309,8 @@ class TritonServer:
         if self.process is not None:
             self._kill_group()
 
-    def stop(self, timeout: float = 30, drain_timeout: float = DRAIN_TIMEOUT_S, log=print) -> int | None:
+    def stop(self, timeout: float = EXIT_TIMEOUT_S + 5, drain_timeout: float = DRAIN_TIMEOUT_S,
+             log=print) -> int | None:
         """Drains a ready server (drain.py: requests in flight finish, new ones are refused), then
         SIGINT, then SIGTERM, then SIGKILL; returns the server's exit code."""
         if self.process is None:

@@ -53,15 +53,15 @@ def run(args: argparse.Namespace) -> int:
     signalled = []
 
     def forward(signum, _frame):
-        # Loading: the server stops at once. Serving: the first signal drains it (supervise -> stop),
-        # a second one stops it without waiting for what is still in flight.
+        # Loading: the server stops. Serving: the first signal drains it (supervise -> stop). A second
+        # signal, in either case, kills it at once.
         signalled.append(signum)
-        if not server.ready:
-            server.send_signal(signum)
-        elif len(signalled) == 1:
-            print("zipmoe: draining: requests in flight finish, new ones are refused (again to kill now)", flush=True)
-        else:
+        if len(signalled) > 1:
             server.stop_now()
+        elif not server.ready:
+            server.send_signal(signum)
+        else:
+            print("zipmoe: draining: requests in flight finish, new ones are refused (again to kill now)", flush=True)
 
     try:
         server.check_ports()
