@@ -35,7 +35,7 @@ ENTRY_MODELS = ("mm_qa", "mm_qa_bls")  # the models clients call; the others ser
 ADMIN_HEADER = "zipmoe-admin-key"  # the header serve.TritonServer restricts the repository API to
 # The decoder's gauges of sequences admitted and waiting (serving/decoder_metrics.py).
 DECODER_GAUGES = ("zipmoe_running_requests", "zipmoe_waiting_requests")
-DRAIN_TIMEOUT_S = 25.0  # then SIGINT, and the server's own 30 s: about a minute in all at worst
+DRAIN_TIMEOUT_S = 25.0  # then SIGINT, and the server's exit timeout (serve.EXIT_TIMEOUT_S): within a minute
 QUIET_S = 5.0
 POLL_S = 0.2
 

@@ -3,7 +3,7 @@
 
 With no flags it serves `checkpoints/notes`, the trained checkpoint (the configs' `checkpoint_path`).
 SIGINT/SIGTERM drain the server (`drain.py`: the requests in flight finish, new ones are refused),
-then stop it; a second signal stops it at once. Then the frontend stops. While it runs,
+then stop it; a second signal kills it at once. Then the frontend stops. While it runs,
 `supervisor.supervise` restarts it when a model's stub process dies (server 2.51 does not recover).
 """
 from __future__ import annotations
