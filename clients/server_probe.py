@@ -2,7 +2,7 @@
 ready, and the memory of its processes (host RSS/PSS per process, GPU memory from nvidia-smi).
 
 Used by the soak (`clients/soak.py`) between and after its runs; reads the server's metrics endpoint
-(`triton_client.scrape_metrics`), its HTTP health and repository index, /proc of the server's process
+(`triton_client.scrape_metrics`), its HTTP health and models' readiness, /proc of the server's process
 group and `nvidia-smi`.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import urllib.request
 
 from zipmoe.clients.triton_client import scrape_metrics
+from zipmoe.serve import DEFAULT_REPOSITORY
 from zipmoe.supervisor import stub_pids
 
 
@@ -44,8 +45,8 @@ def wait_blocks_back(metrics_url: str, timeout: float = 30) -> dict[str, float]:
         time.sleep(0.2)
 
 
-# The models of model_repository/.
-REPOSITORY_MODELS = ("image_decode", "mm_qa", "mm_qa_bls", "moe_decoder", "postprocess", "preprocess", "vision_encoder")
+# The models of the project's model repository (each a folder with its config.pbtxt).
+REPOSITORY_MODELS = tuple(sorted(p.parent.name for p in DEFAULT_REPOSITORY.glob("*/config.pbtxt")))
 
 
 def ready(http_url: str) -> bool:

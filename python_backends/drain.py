@@ -46,10 +46,14 @@ def _post(url_http: str, path: str, headers: dict[str, str]) -> bytes:
         return r.read()
 
 
+def repository_index(url_http: str, headers: dict[str, str]) -> list[dict]:
+    """Triton's repository index: each model's name, version, state (READY, UNLOADING, ...) and reason."""
+    return json.loads(_post(url_http, "/v2/repository/index", headers))
+
+
 def entry_states(url_http: str, headers: dict[str, str]) -> dict[str, str]:
-    """State (READY, UNLOADING, UNAVAILABLE) of each entry model the repository holds."""
-    index = json.loads(_post(url_http, "/v2/repository/index", headers))
-    return {m["name"]: m.get("state", "") for m in index if m["name"] in ENTRY_MODELS}
+    """State of each entry model the repository holds."""
+    return {m["name"]: m.get("state", "") for m in repository_index(url_http, headers) if m["name"] in ENTRY_MODELS}
 
 
 def decoder_sequences(url_metrics: str) -> float:

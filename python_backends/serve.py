@@ -13,7 +13,6 @@ PATH and ignores PYTHONPATH.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -28,11 +27,11 @@ import uuid
 from collections import deque
 from pathlib import Path
 
-from .drain import ADMIN_HEADER, DRAIN_TIMEOUT_S, drain
+from .drain import ADMIN_HEADER, DRAIN_TIMEOUT_S, drain, repository_index
 from .ports import free_port, free_ports, port_in_use  # noqa: F401  (serve.free_port: the clients' and tests' name)
 # The repository copy a server runs (config.pbtxt edits): its own module; the launchers reach it here.
 from .repository_config import render_repository
-from .serving.shared_level import segment_path
+from .serving.shared_level import server_segments
 
 EXIT_TIMEOUT_S = 15  # tritonserver's wait for requests in flight and models unloading at exit (default 30)
 
@@ -265,10 +264,9 @@ class TritonServer:
         """What a request to the repository API (index, load, unload) must carry."""
         return {ADMIN_HEADER: self._admin_key}
 
-    def _request(self, method: str, path: str, body: bytes | None = None):
-        req = urllib.request.Request(f"http://{self.url_http}{path}", data=body, method=method,
-                                     headers=self.admin_headers)
-        with urllib.request.urlopen(req, timeout=10) as r:
+    def _request(self, method: str, path: str):
+        with urllib.request.urlopen(urllib.request.Request(f"http://{self.url_http}{path}", method=method),
+                                    timeout=10) as r:
             return r.status, r.read()
 
     def wait_ready(self, timeout: float = 300) -> list[str]:
@@ -291,7 +289,7 @@ class TritonServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{log_tail(self.log_path)}")
             time.sleep(0.25)
-        models = json.loads(self._request("POST", "/v2/repository/index", b"{}")[1])
+        models = repository_index(self.url_http, self.admin_headers)
         failed = [m for m in models if m.get("state") != "READY"]
         if failed:
             details = "\n".join(f"  {m['name']}: {m.get('state')} {m.get('reason', '')}" for m in failed)
@@ -355,10 +353,8 @@ class TritonServer:
         if self._shm_prefix is not None and Path("/dev/shm").is_dir():
             for region in Path("/dev/shm").glob(f"{self._shm_prefix}*"):
                 region.unlink(missing_ok=True)
-        if self._repository is not None:
-            level = segment_path(self._repository / "any_model")
-            for segment in level.parent.glob(f"zipmoe-*-{level.name.rsplit('-', 1)[1]}"):
-                segment.unlink(missing_ok=True)
+        for segment in server_segments(self._repository) if self._repository is not None else ():
+            segment.unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Kills the server and starts a new one on the same ports and configuration."""

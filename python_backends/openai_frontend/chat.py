@@ -32,10 +32,6 @@ UNSUPPORTED = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None,
 # Triton's own words for a model it does not serve right now (an entry model unloaded while the server
 # drains, `serve.TritonServer.drain`) or for a server that is stopping: 503, as our SHUTTING_DOWN.
 UNAVAILABLE_PHRASES = ("has no available versions", "Server is stopping", "Server not ready")
-# The range of `seed` (int64, as vLLM takes it); mm_qa's random_seed is its UINT64 bit pattern. The other
-# integers are mm_qa's INT32 inputs: past INT32_RANGE tritonclient would wrap them silently.
-SEED_RANGE = (-2**63, 2**63 - 1)
-INT32_RANGE = (-2**31, 2**31 - 1)
 # Retry-After of a busy refusal, in seconds: waiting requests are admitted as running ones finish, so
 # the queue moves within seconds. The openai clients wait that long and retry a 503 (twice by default).
 RETRY_AFTER_S = 1
@@ -83,16 +79,17 @@ def _bad(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param)
 
 
-def _typed(body: dict, name: str, kind: type, check=None, must: str = ""):
-    """body[name] as `kind` (None when absent); ints are taken where a number is wanted, bools never."""
+def _typed(body: dict, name: str, kind: type, check=None, must: str = "", bits: int = 32):
+    """body[name] as `kind` (None when absent); ints are taken where a number is wanted, bools never.
+    An int must fit a signed integer of `bits` (mm_qa's INT32 inputs, unless said otherwise)."""
     value = body.get(name)
     if value is None:
         return None
     number = kind is float and isinstance(value, int)
     if isinstance(value, bool) != (kind is bool) or not (isinstance(value, kind) or number):
         raise _bad(f"{name} must be {'a number' if kind is float else kind.__name__}, got {value!r}", name)
-    if kind is int and name != "seed" and not INT32_RANGE[0] <= value <= INT32_RANGE[1]:  # mm_qa's INT32 inputs
-        raise _bad(f"{name} must be a 32-bit integer, got {value!r}", name)
+    if kind is int and not -2**(bits - 1) <= value < 2**(bits - 1):
+        raise _bad(f"{name} must be a {bits}-bit signed integer, got {value!r}", name)
     if check is not None and not check(value):
         raise _bad(f"{name} must be {must}, got {value!r}", name)
     return kind(value)
@@ -197,8 +194,8 @@ def parse_chat(body, models) -> ChatRequest:
         "max_tokens": _typed(body, limit, int, lambda v: v >= 1, "at least 1"),
         "temperature": _typed(body, "temperature", float, lambda v: 0 <= v <= 2, "in [0, 2]"),
         "top_p": _typed(body, "top_p", float, lambda v: 0 < v <= 1, "in (0, 1]"),
-        "random_seed": None if (seed := _typed(body, "seed", int, lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1],
-                                                "a 64-bit signed integer")) is None else seed % 2**64,
+        # seed: int64, as vLLM takes it; mm_qa's random_seed (UINT64) is its bit pattern
+        "random_seed": None if (seed := _typed(body, "seed", int, bits=64)) is None else seed % 2**64,
         **{name: _typed(body, name, kind) for name, kind in EXTENSIONS.items()},
     }
     inputs.update({k: v for k, v in sampling.items() if v is not None})

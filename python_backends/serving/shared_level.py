@@ -58,10 +58,20 @@ RECHECK_S = 1.0
 def segment_path(model_folder: str | Path, kind: str = "level") -> Path:
     """args["model_repository"] of any model of a server (that model's folder) -> its server's segment
     of that kind."""
-    repository = Path(model_folder).resolve().parent
-    digest = hashlib.sha256(str(repository).encode()).hexdigest()[:16]
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return root / f"zipmoe-{kind}-{digest}"
+    return _segment_root() / f"zipmoe-{kind}-{_digest(Path(model_folder).resolve().parent)}"
+
+
+def server_segments(repository: str | Path) -> list[Path]:
+    """Every segment (of any kind) of the server on `repository`: what serve.py removes once it is gone."""
+    return sorted(_segment_root().glob(f"zipmoe-*-{_digest(Path(repository).resolve())}"))
+
+
+def _digest(repository: Path) -> str:
+    return hashlib.sha256(str(repository).encode()).hexdigest()[:16]
+
+
+def _segment_root() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
 def file_id(fd: int) -> tuple[int, int]:
