@@ -177,6 +177,30 @@ def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr, SLOT_TILES:
 
 
 @triton.jit
+def gate_up_pointers(w_ptr, expert, cols, H, I):
+    """Columns `cols` of an expert's gate and up rows: [0, I) and [I, 2I) of its fused [2I, H] matrix."""
+    w_gate = w_ptr + expert * 2 * I * H + cols[None, :].to(tl.int64) * H
+    return w_gate, w_gate + I * H
+
+
+@triton.jit
+def gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION: tl.constexpr):
+    """One step of the gate and up GEMMs over input columns k0 + ks, for the tile's inputs a."""
+    k_ok = k0 + ks < H
+    g = tl.load(w_gate + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+    u = tl.load(w_up + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+    return tl.dot(a, g, acc_g, input_precision=PRECISION), tl.dot(a, u, acc_u, input_precision=PRECISION)
+
+
+@triton.jit
+def store_silu_mul(out_ptr, slots, cols, valid, col_ok, acc_g, acc_u, I):
+    """SiLU(gate) * up of the tile's slots, stored as the down GEMM's input rows."""
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(out_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, SLOT_TILES: tl.constexpr, PDL: tl.constexpr):
@@ -189,22 +213,14 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * H
-    # gate rows are [0, I), up rows [I, 2I) of the fused [2I, H] matrix.
-    w_gate = w_ptr + expert * 2 * I * H + cols[None, :].to(tl.int64) * H
-    w_up = w_gate + I * H
+    w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
     col_ok = cols[None, :] < I
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_ok = k0 + ks < H
-        a = tl.load(x_rows + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(w_gate + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
-        u = tl.load(w_up + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(out_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], h.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok)
+        a = tl.load(x_rows + k0 + ks[None, :], mask=valid[:, None] & (k0 + ks < H)[None, :], other=0.0)
+        acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
+    store_silu_mul(out_ptr, slots, cols, valid, col_ok, acc_g, acc_u, I)
 
 
 @triton.jit
@@ -231,6 +247,27 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
     acc = acc * weight[:, None]
     tl.store(out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok)
+
+
+def launch_options_moe(cfg: MoeConfig, x: torch.Tensor) -> dict:
+    """The expert kernels' launch keywords for tile shape cfg and inputs like x."""
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                # float32 weights (tests, the tiny model on CUDA) match the float32 reference, not TF32.
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
+
+
+def down_per_slot(hidden: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, tile_slots: torch.Tensor,
+                  tile_expert: torch.Tensor, cfg: MoeConfig, slot_tiles: bool) -> torch.Tensor:
+    """The down GEMM of the gate/up kernel's output rows [S, I]: each slot's output times its routing
+    weight, [S, H] unsummed (also `folded_router.folded_moe`'s last launch)."""
+    S, I = hidden.shape
+    H = down.shape[1]
+    per_slot = torch.empty(S, H, dtype=hidden.dtype, device=hidden.device)
+    _down_kernel[(tile_expert.numel(), triton.cdiv(H, cfg.block_n))](
+        hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert, S, H, I,
+        SLOT_TILES=slot_tiles, **launch_options_moe(cfg, hidden))
+    return per_slot
 
 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -271,15 +308,10 @@ def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch
         tile_slots, tile_expert = moe_align(ids, E, cfg.block_m)
     G = tile_expert.numel()
     hidden = torch.empty(S, I, dtype=x.dtype, device=x.device)
-    per_slot = torch.empty(S, H, dtype=x.dtype, device=x.device)
-    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  # float32 weights (tests, the tiny model on CUDA) match the float32 reference, not TF32.
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SLOT_TILES=slot_tiles,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
+    launch = launch_options_moe(cfg, x)
     _gate_up_kernel[(G, triton.cdiv(I, cfg.block_n))](
-        x.contiguous(), gate_up, hidden, tile_slots, tile_expert, S, H, I, TOP_K=K, **launch)
-    _down_kernel[(G, triton.cdiv(H, cfg.block_n))](
-        hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert, S, H, I, **launch)
+        x.contiguous(), gate_up, hidden, tile_slots, tile_expert, S, H, I, TOP_K=K, SLOT_TILES=slot_tiles, **launch)
+    per_slot = down_per_slot(hidden, down, weights, tile_slots, tile_expert, cfg, slot_tiles)
     # Slot results in x's dtype, summed per token (float32 accumulation inside the sum; no atomics,
     # so deterministic), here or by the caller's next launch.
     return per_slot.view(T, K, H).sum(dim=1) if sum_slots else per_slot.view(T, K, H)

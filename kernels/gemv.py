@@ -34,10 +34,10 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def gemv_rows(x_ptr, w_ptr, n, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 sums [BLOCK_N] of rows n of w [N, K] times x [K]. The loop over the width is unrolled
+    (K is a compile-time constant), so every load of the weight is in flight at once. Also the
+    output projection and the folded router rows of `folded_router.py`."""
     ks = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -46,7 +46,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexp
         w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n < N)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + n, gemv_rows(x_ptr, w_ptr, n, N, K, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty), mask=n < N)
 
 
 @torch.library.custom_op("zipmoe::gemv", mutates_args=())

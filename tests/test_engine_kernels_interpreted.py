@@ -1,11 +1,12 @@
 """The engine with its Triton kernels, run in Triton's interpreter on the CPU, against its PyTorch
 reference ops: a mixed load of image requests (kept tokens at keep 0.4 / 0.6 / 1.0) whose prompts
 are prefilled in chunks beside decoding sequences, with a preemption, gives the same tokens. It
-guards the kernels' logic on the steps the server makes under load (on a GPU the same comparison
-is test_engine_cuda's)."""
+guards the kernels' logic on the steps the server makes under load, a lone decode token's folded
+router included (on a GPU the same comparison is test_engine_cuda's)."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import torch
 
@@ -18,11 +19,15 @@ from zipmoe.vision import VisionEncoder
 from test_vision_reference import SIZES, visual_request
 
 
-def serve(checkpoint, requests, kernels: bool):
+def serve(checkpoint, requests, kernels: bool, folded: list | None = None):
+    """(each request's tokens, preemptions); folded: gets a None for each `folded_moe` call."""
     eng = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_kv_blocks=18, block_size=4,
                                              max_model_len=72, max_num_batched_tokens=48, max_num_seqs=4))
     if kernels:
-        eng.model.ops = model.KERNELS
+        def counted(*args):
+            folded.append(None)
+            return model.KERNELS.folded_moe(*args)
+        eng.model.ops = SimpleNamespace(**{**vars(model.KERNELS), "folded_moe": counted})
     seqs = [eng.add_request(list(ids), SamplingParams(max_tokens=12, ignore_eos=True), visual=copy.deepcopy(visual))
             for ids, visual in requests]
     while eng.has_work:
@@ -37,4 +42,6 @@ def test_kernels_give_the_reference_tokens_on_a_mixed_image_load(tiny_checkpoint
                                keep)[:2] for i, keep in enumerate((0.4, 0.6, 1.0))]
     reference, preempted = serve(tiny_checkpoint, requests, kernels=False)
     assert preempted > 0  # the load this test is about
-    assert serve(tiny_checkpoint, requests, kernels=True) == (reference, preempted)
+    folded = []
+    assert serve(tiny_checkpoint, requests, kernels=True, folded=folded) == (reference, preempted)
+    assert folded  # steps with one decode token took the folded router

@@ -15,20 +15,21 @@ Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer)
 `bench_step_variants` times the batch-1 step itself under the choices these kernels leave open,
 in one engine (its graphs captured again for each, the committed choices first and last, so
 drift shows): "step_variant" rows, policy the variant's name, graph replay and pipelined step.
-The variants: the q/k/v launch's norm apart (two launches); the GEMV's rows a program; the q/k/v
-kernel's and the router's splits of the input width; the attention's keys a tile; and the whole
-step without PDL.
+The variants: the router apart from the output projection (`folded_moe` off: the output
+projection, the router with the norm, and the experts as four launches); the q/k/v launch's norm
+apart (two launches); the attention's keys a tile; and the whole step without PDL. (Session 32 also
+timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of the input width:
+docs/PERFORMANCE.md.)
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from zipmoe.engine import model
 from zipmoe.engine.routing import RoutingPolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import dependent_launch, paged_attention, qkv_norm_rope
-from zipmoe.kernels import gemv as gemv_module
-from zipmoe.kernels import router as router_module
 from zipmoe.kernels.gemv import gemv
 from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
@@ -79,13 +80,8 @@ def _variants() -> list[tuple[str, dict, bool]]:
     """(name, {(module, attribute): value} patched while its graphs are captured, PDL)."""
     return [
         ("as committed", {}, True),
+        ("router apart (not folded)", {(model.KERNELS, "folded_moe"): None}, True),
         ("norm apart from q/k/v", {(qkv_norm_rope, "fused_add_norm_qkv"): _norm_apart}, True),
-        ("gemv 2 rows a program", {(gemv_module, "GEMV_BLOCK_N"): 2}, True),
-        ("q/k/v 16 splits", {(qkv_norm_rope, "QKV_MAX_SPLIT"): 16}, True),
-        ("q/k/v 4 splits", {(qkv_norm_rope, "QKV_MAX_SPLIT"): 4}, True),
-        ("router 128 programs", {(router_module, "ROUTER_PROGRAMS"): 128, (router_module, "ROUTER_MAX_SPLIT"): 16},
-         True),
-        ("router 32 programs", {(router_module, "ROUTER_PROGRAMS"): 32}, True),
         ("attention 64 keys a tile", {(paged_attention, "_tile_config"): _keys_a_tile(64)}, True),
         ("no PDL", {}, False),
         ("as committed", {}, True),

@@ -23,6 +23,7 @@ from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
+from ..kernels.folded_router import fold_router, folded_moe
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.gemv import linear, linear_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -33,20 +34,25 @@ from .routing import RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
-# A layer is, at one token, six launches: q/k/v with its norms, RoPE and cache writes; the paged
-# attention; the output projection (`linear`); the residual add and the MoE's input norm with the
-# router (`add_norm_router`); the two expert GEMMs, which leave the K slot outputs unsummed
-# ([T, K, H]) and, for the router's own distinct top-K of one token, need no align. The next
-# layer's `add_norm_qkv` sums the slots with the residual add and its input norm. At more tokens
-# each fused step falls back to its parts where those were measured faster (docs/PERFORMANCE.md).
+# A MoE layer is, at one decode token that keeps the router's top-K, five launches: q/k/v with its
+# norms, RoPE and cache writes; the paged attention; the output projection with the residual add
+# and the router's logits folded in, the gate/up GEMM that takes the norm and the top-K itself, and
+# the down GEMM (`folded_moe`), which leaves the K slot outputs unsummed ([T, K, H]). The next
+# layer's `add_norm_qkv` sums the slots with the residual add and its input norm. Otherwise the
+# output projection (`linear`), the residual add and the MoE's input norm with the router
+# (`add_norm_router`), the routing policy, and the two expert GEMMs (`experts`, which for the
+# router's own distinct top-K of one token need no align). At more tokens each fused step falls
+# back to its parts where those were measured faster (docs/PERFORMANCE.md). `folded_moe` None: the
+# references' arithmetic, step by step (its fold rounds differently, `kernels/folded_router.py`).
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           qkv_norm_rope_cache=qkv_norm_rope_cache, add_norm_qkv=add_norm_qkv, linear=linear,
                           add_norm_router=add_norm_router, experts=fused_experts_per_slot,
-                          decode_attention=paged_decode_attention)
+                          decode_attention=paged_decode_attention, folded_moe=folded_moe)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             qkv_norm_rope_cache=qkv_norm_rope_cache_reference, add_norm_qkv=add_norm_qkv_reference,
                             linear=linear_reference, add_norm_router=add_norm_router_reference,
-                            experts=fused_experts_reference, decode_attention=paged_decode_attention_reference)
+                            experts=fused_experts_reference, decode_attention=paged_decode_attention_reference,
+                            folded_moe=None)
 
 
 @dataclass
@@ -111,6 +117,8 @@ class Layer:
         if self.is_moe:
             E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
             self.gate = w("mlp.gate.weight")
+            # The router folded into the output projection (`folded_moe`); 1.5 MB a layer at the 30B shape.
+            self.gate_r, self.gate_o = fold_router(self.gate, self.post_norm, self.o) if shard is None else (None, None)
             self.gate_up = experts("mlp.experts.gate_up_proj", (E, 2 * I, H))
             self.down = experts("mlp.experts.down_proj", (E, H, I))
         else:
@@ -194,11 +202,15 @@ class Qwen3VLMoeTextDecoder:
         """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or (h, None)
         after the last layer. inject(h) -> h: the layer's DeepStack features added (the first layers)."""
         ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps
-        o = ops.linear(attn, layer.o)
-        if layer.is_moe:
+        if self._folds_router(layer, step, attn.shape[0]):
+            h, out, ids, _ = ops.folded_moe(h, attn, layer.o, layer.post_norm, layer.gate, layer.gate_r, layer.gate_o,
+                                            layer.gate_up, layer.down, cfg.top_k, cfg.norm_topk_prob, eps)
+            routing.append((ids, ids))
+        elif layer.is_moe:
+            o = ops.linear(attn, layer.o)
             h, out = self._moe(layer, h, o, step, routing)
         else:
-            h, x = ops.add_rms_norm(h, o, layer.post_norm, eps)
+            h, x = ops.add_rms_norm(h, ops.linear(attn, layer.o), layer.post_norm, eps)
             out = self._mlp(layer, x)
         if nxt is not None and inject is None:
             # The residual add (and the MoE's slot sum), the next layer's input norm and its q/k/v.
@@ -210,6 +222,13 @@ class Qwen3VLMoeTextDecoder:
         if nxt is None:
             return h, None
         return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
+
+    def _folds_router(self, layer: Layer, step: StepInputs, T: int) -> bool:
+        """A decode token of a MoE layer that keeps its router's top-K (no re-routing policy at this
+        batch, no calibration hook, all experts here) takes `ops.folded_moe`, where the ops have one."""
+        return (self.ops.folded_moe is not None and layer.is_moe and layer.gate_r is not None and T == 1
+                and not step.is_prefill and (T < self.routing_min_batch or not self.policy.reroutes)
+                and self.moe_input_hook is None)
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), vocab] of the final hidden states' chosen rows."""

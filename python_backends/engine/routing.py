@@ -90,6 +90,7 @@ class RoutingPolicy:
     # decode rows of a step with prompt chunks (model.py, runner.py), so that a request's routing never
     # depends on what shares its step (issue 18's harness reads truncation's cost from every token).
     per_token = False
+    reroutes = False  # this one keeps every token's top-K (a decode token may then take model.py's folded router)
 
     def route(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               opt_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +100,7 @@ class RoutingPolicy:
 
 class SerePolicy(RoutingPolicy):
     name = "sere"
+    reroutes = True
 
     def __init__(self, similarity: torch.Tensor, protect: torch.Tensor, layer_rows: dict[int, int],
                  primary_k: int = 2, threshold: float = 0.5, use_protect: bool = True):
@@ -119,6 +121,7 @@ class SerePolicy(RoutingPolicy):
 
 class OeaPolicy(RoutingPolicy):
     name = "oea"
+    reroutes = True
 
     def __init__(self, k0: int = 2, normalize: bool = True):
         self.k0 = k0
@@ -137,6 +140,7 @@ class TruncatePolicy(RoutingPolicy):
     slots point at the token's first expert with weight 0, weights renormalised over the k kept."""
     name = "truncate"
     per_token = True
+    reroutes = True
 
     def __init__(self, k: int = 2, normalize: bool = True):
         self.k = k

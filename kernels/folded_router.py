@@ -1,0 +1,162 @@
+"""One token's MoE block with its router folded into the attention's output projection: three
+launches (Triton) where the output projection, the router and the two expert GEMMs were four;
+beside its PyTorch reference.
+
+Why. At batch 1 the router is a launch of its own (`router.add_norm_router`, 8.0 us a layer on
+the H200 for 0.5 MB of weights) only because it needs the whole residual row h = r + W_o a (r the
+residual stream, a the heads' outputs) before it can start. RMSNorm is a per-row scale, so
+
+    logits = W_r (g * h / rms(h)) = ((W_r g) r + (W_r g W_o) a) / rms(h)
+
+where g is the norm's weight: the router rows W_r g (over r) and W_r g W_o (over a) are folded
+once at load (`fold_router`), and their dot products need only what the output projection reads
+itself. So:
+
+1. `_out_proj_logits_kernel`: the output projection's rows with the residual add (h, stored) and,
+   in E / BLOCK_N programs more, the router's logits before the norm's scale (float32);
+2. `_routed_gate_up_kernel`: every program takes h's RMS and the top-K of the scaled logits itself
+   (4 kB and 512 B from L2), finds its slot's expert, and computes x = rms_norm(h) on the fly as the
+   input of the gate and up GEMMs; the first program stores the ids and weights;
+3. `fused_moe.down_per_slot`: the down GEMM of each slot, times its weight, unsummed (the next
+   layer's q/k/v launch sums the slots with its residual add).
+
+The logits differ from the reference's by rounding only: the reference rounds W_o a, h and x to
+the model's dtype before the router's GEMM, the fold rounds its folded rows once. Both then round
+the logits to the model's dtype, so the top-K differs only where two experts' logits were within
+that rounding of each other. Called by `engine/model.py` for a decode token that keeps the router's
+top-K (`Qwen3VLMoeTextDecoder._folds_router`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dependent_launch import launch_options, wait_for_inputs
+from .fused_moe import (down_per_slot, gate_up_pointers, gate_up_step, launch_options_moe, pick_config,
+                        store_silu_mul)
+from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
+from .layer_ops import inverse_rms, scaled, softmax_topk
+from .router import add_norm_router_reference
+
+import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
+import triton.language as tl
+
+
+def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_r g [E, H], W_r g W_o [E, heads * head_dim]) in gate's dtype, from the router's weight
+    [E, H], the MoE's input norm weight [H] and the output projection [H, heads * head_dim]; the
+    product taken in float32 and rounded once."""
+    scaled_gate = gate.float() * norm.float()[None, :]
+    return scaled_gate.to(gate.dtype), (scaled_gate @ o_weight.float()).to(gate.dtype)
+
+
+def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k: int, normalize: bool,
+                         eps: float):
+    """A decode token's MoE block after its attention, unfolded: (h + a W_o^T, the slots' expert
+    outputs times their weights [T, K, H] unsummed, ids [T, K], weights [T, K]). h [T, H] the
+    residual stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are not needed."""
+    h, x, _, ids, weights = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, top_k, normalize, eps)
+    slots = []
+    for k in range(top_k):
+        rows = []
+        for t in range(h.shape[0]):
+            e = int(ids[t, k])
+            g, u = F.linear(x[t:t + 1], gate_up[e]).chunk(2, dim=-1)
+            rows.append(F.linear(F.silu(g) * u, down[e]) * weights[t, k])
+        slots.append(torch.cat(rows))
+    return h, torch.stack(slots, dim=1), ids, weights
+
+
+@triton.jit
+def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, logits_ptr, H, E,
+                            A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PDL: tl.constexpr):
+    # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
+    # add round. The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in float32.
+    wait_for_inputs(PDL)
+    pid = tl.program_id(0)
+    out_programs = tl.cdiv(H, BLOCK_N)
+    if pid < out_programs:
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.load(res_ptr + n, mask=n < H, other=0.0)
+        o = gemv_rows(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K).to(r.dtype)
+        tl.store(h_out_ptr + n, (r.to(tl.float32) + o.to(tl.float32)).to(r.dtype), mask=n < H)
+    else:
+        e = (pid - out_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        raw = (gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K)
+               + gemv_rows(attn_ptr, gate_o_ptr, e, E, A, BLOCK_N, BLOCK_K))
+        tl.store(logits_ptr + e, raw, mask=e < E)
+
+
+@triton.jit
+def _routed_gate_up_kernel(h_ptr, norm_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, I, E, eps,
+                           K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, H_PAD: tl.constexpr,
+                           NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # Program (slot, column tile). The routing is the same arithmetic in every program: the row's
+    # RMS, the logits scaled by it and rounded to the model's dtype (as F.linear rounds them),
+    # softmax and top-K (`layer_ops.softmax_topk`).
+    wait_for_inputs(PDL)
+    slot, pid_n = tl.program_id(0), tl.program_id(1)
+    row = tl.arange(0, H_PAD)
+    inv = inverse_rms(tl.load(h_ptr + row, mask=row < H, other=0.0), H, eps)
+    e = tl.arange(0, E_PAD)
+    raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
+    logit = (raw * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
+    token = tl.arange(0, 1)
+    _, ids, ws = softmax_topk(logit[None, :], token, 1, E, 1, K, E_PAD, K_PAD, NORMALIZE)
+    k = tl.arange(0, K_PAD)[None, :]
+    expert = tl.sum(tl.where(k == slot, ids, 0))
+    if (slot == 0) & (pid_n == 0):
+        tl.store(ids_ptr + k, ids, mask=k < K)
+        tl.store(weights_ptr + k, ws.to(weights_ptr.dtype.element_ty), mask=k < K)
+    m = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
+    col_ok = cols[None, :] < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        c = k0 + ks
+        x = scaled(tl.load(h_ptr + c, mask=c < H, other=0.0), inv, tl.load(norm_ptr + c, mask=c < H, other=0.0))
+        a = tl.where(m[:, None] == 0, x.to(tl.float32)[None, :], 0.0).to(x.dtype)  # the tile's one real row
+        acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
+    store_silu_mul(out_ptr, tl.where(m == 0, slot, 0), cols, m == 0, col_ok, acc_g, acc_u, I)
+
+
+@torch.library.custom_op("zipmoe::folded_moe", mutates_args=())
+def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor,
+               gate_r: torch.Tensor, gate_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+               normalize: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`folded_moe_reference`'s contract for one token in three launches (gate, the unfolded router,
+    is not read: gate_r and gate_o are its fold)."""
+    H, A = o_weight.shape
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    if h.shape != (1, H) or attn.shape != (1, A):
+        raise ValueError(f"folded_moe serves one token: h [1, {H}] and attn [1, {A}], got {tuple(h.shape)} and "
+                         f"{tuple(attn.shape)}")
+    h, attn = h.contiguous(), attn.contiguous()
+    h_out = torch.empty_like(h)
+    logits = torch.empty(E, dtype=torch.float32, device=h.device)
+    _out_proj_logits_kernel[(triton.cdiv(H, GEMV_BLOCK_N) + triton.cdiv(E, GEMV_BLOCK_N),)](
+        attn, h, o_weight, gate_r, gate_o, h_out, logits, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H))), num_warps=GEMV_WARPS,
+        **launch_options(h.device))
+    cfg = pick_config(1, E, H, I, h.element_size())
+    ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
+    weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
+    hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
+    _routed_gate_up_kernel[(top_k, triton.cdiv(I, cfg.block_n))](
+        h_out, norm, logits, gate_up, hidden, ids, weights, H, I, E, eps, K=top_k, E_PAD=triton.next_power_of_2(E),
+        K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), NORMALIZE=normalize,
+        **launch_options_moe(cfg, h))
+    per_slot = down_per_slot(hidden, down, weights, ids, ids.reshape(-1), cfg, slot_tiles=True)
+    return h_out, per_slot.view(1, top_k, H), ids, weights
+
+
+@folded_moe.register_fake
+def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, eps):
+    return (torch.empty_like(h), h.new_empty(1, top_k, h.shape[1]), h.new_empty(1, top_k, dtype=torch.int64),
+            h.new_empty(1, top_k))

@@ -1,0 +1,88 @@
+"""One token's MoE block with the router folded into the output projection (`folded_moe`, three
+launches) against its unfolded reference (CPU: Triton's interpreter, float32; GPU: bf16 at the
+30B shape, and in a CUDA graph)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _block(device, H, A, E, I, seed=0, spread=4.0):
+    """Inputs of one token's block. The router's rows are spread apart (`spread`) so that its top-K
+    is clear of the fold's rounding: what the test compares is the arithmetic, not a near-tie."""
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dt)
+
+    h, attn = rand(1, H), rand(1, A)
+    o_weight, norm = rand(H, A, scale=A ** -0.5), (torch.rand(H, generator=g) + 0.5).to(device, dt)
+    gate = rand(E, H, scale=spread * H ** -0.5)
+    gate_up, down = rand(E, 2 * I, H, scale=H ** -0.5), rand(E, H, I, scale=I ** -0.5)
+    return (h, attn, o_weight, norm, gate) + fold_router(gate, norm, o_weight) + (gate_up, down)
+
+
+def _assert_matches(got, want, device):
+    tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    h, per_slot, ids, weights = got
+    torch.testing.assert_close(h, want[0], **tol)
+    assert torch.equal(ids, want[2])
+    torch.testing.assert_close(weights, want[3], **tol)
+    torch.testing.assert_close(per_slot, want[1], **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("H,A,E,I,K,normalize", [(64, 128, 16, 32, 4, True), (96, 80, 60, 48, 8, False),
+                                                 (40, 64, 7, 16, 2, True)])
+def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
+    """Sizes not powers of two, experts not a multiple of the GEMV's rows a program, both
+    normalisations; twice in a row (nothing left over from a call)."""
+    args = _block(device, H, A, E, I, seed=H + E)
+    want = folded_moe_reference(*args, K, normalize, 1e-6)
+    for _ in range(2):
+        _assert_matches(folded_moe(*args, K, normalize, 1e-6), want, device)
+
+
+def test_fold_is_the_norm_then_the_router():
+    """(W_r g) r + (W_r g W_o) a, scaled by 1 / RMS(h), is the router's logits of rms_norm(h)."""
+    h, attn, o_weight, norm, gate, gate_r, gate_o, _, _ = _block("cpu", 64, 128, 16, 32)
+    full = h + attn @ o_weight.T
+    x = full * torch.rsqrt(full.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+    folded = (h @ gate_r.T + attn @ gate_o.T) * torch.rsqrt(full.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(folded, x @ gate.T, rtol=1e-4, atol=1e-4)
+
+
+def test_folded_moe_op_schema_and_fake():
+    args = _block("cpu", 64, 128, 16, 32)
+    torch.library.opcheck(torch.ops.zipmoe.folded_moe.default, args + (4, True, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_folded_moe_refuses_more_than_one_token():
+    h, attn, *rest = _block("cpu", 64, 128, 16, 32)
+    with pytest.raises(ValueError, match="one token"):
+        folded_moe(h.repeat(2, 1), attn.repeat(2, 1), *rest, 4, True, 1e-6)
+
+
+@pytest.mark.gpu
+def test_folded_moe_30b_shape_in_a_cuda_graph():
+    """Qwen3-30B-A3B's block (H 2048, 32 x 128 heads, 128 experts of 768, top-8), captured once and
+    replayed with another token: the replay gives the new token's routing and outputs."""
+    args = list(_block("cuda", 2048, 4096, 128, 768, spread=8.0))
+    static_h, static_attn = args[0].clone(), args[1].clone()
+    torch.cuda.synchronize()
+    folded_moe(static_h, static_attn, *args[2:], 8, True, 1e-6)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = folded_moe(static_h, static_attn, *args[2:], 8, True, 1e-6)
+    fresh = _block("cuda", 2048, 4096, 128, 768, seed=7, spread=8.0)
+    static_h.copy_(fresh[0])
+    static_attn.copy_(fresh[1])
+    graph.replay()
+    want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 1e-6)
+    _assert_matches(out, want, "cuda")
