@@ -13,10 +13,10 @@ once at load (`fold_router`), and their dot products need only what the output p
 itself. So:
 
 1. `_out_proj_logits_kernel`: the output projection's rows with the residual add (h, stored) and,
-   in E / BLOCK_N programs more, the router's logits before the norm's scale (float32);
-2. `_routed_gate_up_kernel`: every program takes h's RMS and the top-K of the scaled logits itself
-   (4 kB and 512 B from L2), finds its slot's expert, and computes x = rms_norm(h) on the fly as the
-   input of the gate and up GEMMs; the first program stores the ids and weights;
+   y = g * h, and in E / BLOCK_N programs more, the router's logits before the norm's scale (float32);
+2. `_routed_gate_up_kernel`: every program takes h's RMS and the ranks of the scaled logits itself
+   (4 kB and 512 B from L2), finds its slot's expert, and runs the gate and up GEMMs on y (their
+   sums times 1 / RMS); one program more stores the ids and weights;
 3. `fused_moe.down_per_slot`: the down GEMM of each slot, times its weight, unsummed (the next
    layer's q/k/v launch sums the slots with its residual add).
 
@@ -35,7 +35,7 @@ from .dependent_launch import launch_options, wait_for_inputs
 from .fused_moe import (down_per_slot, gate_up_pointers, gate_up_step, launch_options_moe, pick_config,
                         store_silu_mul)
 from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
-from .layer_ops import inverse_rms, scaled, softmax_topk
+from .layer_ops import inverse_rms
 from .router import add_norm_router_reference
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
@@ -68,19 +68,24 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 
 
 @triton.jit
-def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, logits_ptr, H, E,
-                            A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr, logits_ptr,
+                            H, E, A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PDL: tl.constexpr):
     # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
-    # add round. The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in float32.
+    # add round, and of y = g * h, the experts' input before the norm's 1 / RMS (a scalar the gate/up
+    # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
+    # float32.
     wait_for_inputs(PDL)
     pid = tl.program_id(0)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         r = tl.load(res_ptr + n, mask=n < H, other=0.0)
+        g = tl.load(norm_ptr + n, mask=n < H, other=0.0)
         o = gemv_rows(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K).to(r.dtype)
-        tl.store(h_out_ptr + n, (r.to(tl.float32) + o.to(tl.float32)).to(r.dtype), mask=n < H)
+        h = (r.to(tl.float32) + o.to(tl.float32)).to(r.dtype)
+        tl.store(h_out_ptr + n, h, mask=n < H)
+        tl.store(y_ptr + n, (g.to(tl.float32) * h.to(tl.float32)).to(r.dtype), mask=n < H)
     else:
         e = (pid - out_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         raw = (gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K)
@@ -89,40 +94,55 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, gate_r_ptr, gate_o_ptr, h_
 
 
 @triton.jit
-def _routed_gate_up_kernel(h_ptr, norm_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, I, E, eps,
+def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, I, E, eps,
                            K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, H_PAD: tl.constexpr,
                            NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # Program (slot, column tile). The routing is the same arithmetic in every program: the row's
-    # RMS, the logits scaled by it and rounded to the model's dtype (as F.linear rounds them),
-    # softmax and top-K (`layer_ops.softmax_topk`).
+    # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
+    # scaled by it and rounded to the model's dtype (as F.linear rounds them), each expert's rank
+    # among them (the experts ahead: a larger logit, or an equal one with a lower id, the order of
+    # `layer_ops.store_softmax_topk`), and the expert ranked `slot`. Ranks in one pass, because this
+    # is on the path to the first weight load: K rounds of argmax, as `store_softmax_topk` takes them,
+    # made this kernel 4-5 us slower a layer on the H100. The GEMM's input is y = g * h as stored,
+    # its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's (x =
+    # rms_norm(h) computed in the loop, a tile at a time, cost 8 us a layer: its operand no longer
+    # streamed straight from memory). Programs (K, *) compute no slot: the first of them stores the
+    # ids and weights, off the GEMM programs' path (one more multiprocessor, while the slots' 8 x
+    # I / BLOCK_N programs leave some idle at batch 1).
     wait_for_inputs(PDL)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
+    if (slot == K) & (pid_n > 0):
+        return
     row = tl.arange(0, H_PAD)
     inv = inverse_rms(tl.load(h_ptr + row, mask=row < H, other=0.0), H, eps)
     e = tl.arange(0, E_PAD)
     raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
-    logit = (raw * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
-    token = tl.arange(0, 1)
-    _, ids, ws = softmax_topk(logit[None, :], token, 1, E, 1, K, E_PAD, K_PAD, NORMALIZE)
-    k = tl.arange(0, K_PAD)[None, :]
-    expert = tl.sum(tl.where(k == slot, ids, 0))
-    if (slot == 0) & (pid_n == 0):
-        tl.store(ids_ptr + k, ids, mask=k < K)
-        tl.store(weights_ptr + k, ws.to(weights_ptr.dtype.element_ty), mask=k < K)
-    m = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
-    col_ok = cols[None, :] < I
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        c = k0 + ks
-        x = scaled(tl.load(h_ptr + c, mask=c < H, other=0.0), inv, tl.load(norm_ptr + c, mask=c < H, other=0.0))
-        a = tl.where(m[:, None] == 0, x.to(tl.float32)[None, :], 0.0).to(x.dtype)  # the tile's one real row
-        acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
-    store_silu_mul(out_ptr, tl.where(m == 0, slot, 0), cols, m == 0, col_ok, acc_g, acc_u, I)
+    logit = tl.where(e < E, (raw * inv).to(h_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+    mine, theirs = logit[:, None], logit[None, :]
+    ahead = (theirs > mine) | ((theirs == mine) & (e[None, :] < e[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    if slot == K:
+        k = tl.arange(0, K_PAD)
+        chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)  # [K_PAD, E_PAD]
+        p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
+        p_chosen = tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1)
+        total = tl.sum(p_chosen, axis=0) if NORMALIZE else tl.sum(p, axis=0)
+        tl.store(ids_ptr + k, tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64), mask=k < K)
+        tl.store(weights_ptr + k, (p_chosen / total).to(weights_ptr.dtype.element_ty), mask=k < K)
+    else:
+        expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
+        col_ok = cols[None, :] < I
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :],
+                        mask=(m[:, None] == 0) & (k0 + ks < H)[None, :], other=0.0)  # the tile's one real row
+            acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
+        store_silu_mul(out_ptr, tl.where(m == 0, slot, 0), cols, m == 0, col_ok, acc_g * inv, acc_u * inv, I)
 
 
 @torch.library.custom_op("zipmoe::folded_moe", mutates_args=())
@@ -138,18 +158,18 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         raise ValueError(f"folded_moe serves one token: h [1, {H}] and attn [1, {A}], got {tuple(h.shape)} and "
                          f"{tuple(attn.shape)}")
     h, attn = h.contiguous(), attn.contiguous()
-    h_out = torch.empty_like(h)
+    h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
     _out_proj_logits_kernel[(triton.cdiv(H, GEMV_BLOCK_N) + triton.cdiv(E, GEMV_BLOCK_N),)](
-        attn, h, o_weight, gate_r, gate_o, h_out, logits, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
+        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
         BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H))), num_warps=GEMV_WARPS,
         **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
-    _routed_gate_up_kernel[(top_k, triton.cdiv(I, cfg.block_n))](
-        h_out, norm, logits, gate_up, hidden, ids, weights, H, I, E, eps, K=top_k, E_PAD=triton.next_power_of_2(E),
+    _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, cfg.block_n))](
+        h_out, y, logits, gate_up, hidden, ids, weights, H, I, E, eps, K=top_k, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), NORMALIZE=normalize,
         **launch_options_moe(cfg, h))
     per_slot = down_per_slot(hidden, down, weights, ids, ids.reshape(-1), cfg, slot_tiles=True)

@@ -220,16 +220,17 @@ def topk_softmax_reference(logits: torch.Tensor, top_k: int, normalize: bool,
 
 
 @triton.jit
-def softmax_topk(logit, rows, T, E, R: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                 NORMALIZE: tl.constexpr):
-    """Router logits [R, E_PAD] (float32) of token rows `rows` [R] -> (softmax [R, E_PAD], top-K ids
-    int64 [R, K_PAD], weights float32 [R, K_PAD]); columns past E never chosen, ties: the lowest id.
-    Also the routing inside `folded_router`'s gate/up kernel."""
+def store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.constexpr, K: tl.constexpr,
+                       E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Router logits [R, E_PAD] (float32) of token rows `rows` [R] -> their softmax, top-K ids and
+    weights, stored; columns past E and rows past T are masked out. Shared with the one-launch
+    router (`router.py`)."""
     e = tl.arange(0, E_PAD)
     ok = (rows[:, None] < T) & (e[None, :] < E)
-    logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out by callers)
+    logit = tl.where(e[None, :] < E, logit, float("-inf"))  # rows past T stay finite (masked out below)
     p = tl.exp(logit - tl.max(logit, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
+    tl.store(probs_ptr + rows[:, None] * E + e[None, :], p, mask=ok)
     slot = tl.arange(0, K_PAD)
     ids = tl.zeros([R, K_PAD], dtype=tl.int64)
     ws = tl.zeros([R, K_PAD], dtype=tl.float32)
@@ -241,18 +242,6 @@ def softmax_topk(logit, rows, T, E, R: tl.constexpr, K: tl.constexpr, E_PAD: tl.
         left = tl.where(e[None, :] == best[:, None], -1.0, left)
     if NORMALIZE:
         ws = ws / tl.sum(ws, axis=1)[:, None]
-    return p, ids, ws
-
-
-@triton.jit
-def store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, R: tl.constexpr, K: tl.constexpr,
-                       E_PAD: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
-    """`softmax_topk`, stored; columns past E and rows past T are masked out. Shared with the
-    one-launch router (`router.py`)."""
-    p, ids, ws = softmax_topk(logit, rows, T, E, R, K, E_PAD, K_PAD, NORMALIZE)
-    e = tl.arange(0, E_PAD)
-    tl.store(probs_ptr + rows[:, None] * E + e[None, :], p, mask=(rows[:, None] < T) & (e[None, :] < E))
-    slot = tl.arange(0, K_PAD)
     keep = (rows[:, None] < T) & (slot[None, :] < K)
     tl.store(ids_ptr + rows[:, None] * K + slot[None, :], ids, mask=keep)
     tl.store(w_ptr + rows[:, None] * K + slot[None, :], ws.to(w_ptr.dtype.element_ty), mask=keep)

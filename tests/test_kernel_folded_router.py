@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
+from zipmoe.kernels.router import add_norm_router_reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -27,13 +29,24 @@ def _block(device, H, A, E, I, seed=0, spread=4.0):
     return (h, attn, o_weight, norm, gate) + fold_router(gate, norm, o_weight) + (gate_up, down)
 
 
-def _assert_matches(got, want, device):
+def _assert_matches(got, want, device, args):
+    """float32 (CPU): the same experts, the same values. bf16: an expert may differ from the
+    reference's only where both had near-equal router probabilities (the fold rounds otherwise, see
+    folded_router.py); outputs are compared on the slots that agree."""
     tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
     h, per_slot, ids, weights = got
     torch.testing.assert_close(h, want[0], **tol)
-    assert torch.equal(ids, want[2])
-    torch.testing.assert_close(weights, want[3], **tol)
-    torch.testing.assert_close(per_slot, want[1], **tol)
+    same = ids == want[2]
+    if device == "cpu":
+        assert same.all()
+    else:
+        h_ref, attn, o_weight, norm, gate = args[:5]
+        probs = add_norm_router_reference(h_ref, F.linear(attn, o_weight), norm, gate, ids.shape[1], True, 1e-6)[2]
+        assert torch.allclose(probs.gather(1, ids), probs.gather(1, want[2]), rtol=3e-2, atol=1e-4)
+        assert same.float().mean() >= 0.75
+    torch.testing.assert_close(per_slot[same], want[1][same], **tol)
+    if same.all():
+        torch.testing.assert_close(weights, want[3], **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -45,7 +58,7 @@ def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
     args = _block(device, H, A, E, I, seed=H + E)
     want = folded_moe_reference(*args, K, normalize, 1e-6)
     for _ in range(2):
-        _assert_matches(folded_moe(*args, K, normalize, 1e-6), want, device)
+        _assert_matches(folded_moe(*args, K, normalize, 1e-6), want, device, args)
 
 
 def test_fold_is_the_norm_then_the_router():
@@ -85,4 +98,4 @@ def test_folded_moe_30b_shape_in_a_cuda_graph():
     static_attn.copy_(fresh[1])
     graph.replay()
     want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 1e-6)
-    _assert_matches(out, want, "cuda")
+    _assert_matches(out, want, "cuda", fresh)

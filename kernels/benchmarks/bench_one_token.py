@@ -76,15 +76,15 @@ def _keys_a_tile(keys: int):
     return lambda head_dim, block_size: (max(block_size, keys),) + committed(head_dim, block_size)[1:]
 
 
-def _variants() -> list[tuple[str, dict, bool]]:
-    """(name, {(module, attribute): value} patched while its graphs are captured, PDL)."""
+def _variants() -> list[tuple[str, list, bool]]:
+    """(name, [(object, attribute, value)] patched while its graphs are captured, PDL)."""
     return [
-        ("as committed", {}, True),
-        ("router apart (not folded)", {(model.KERNELS, "folded_moe"): None}, True),
-        ("norm apart from q/k/v", {(qkv_norm_rope, "fused_add_norm_qkv"): _norm_apart}, True),
-        ("attention 64 keys a tile", {(paged_attention, "_tile_config"): _keys_a_tile(64)}, True),
-        ("no PDL", {}, False),
-        ("as committed", {}, True),
+        ("as committed", [], True),
+        ("router apart (not folded)", [(model.KERNELS, "folded_moe", None)], True),
+        ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True),
+        ("attention 64 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(64))], True),
+        ("no PDL", [], False),
+        ("as committed", [], True),
     ]
 
 
@@ -93,15 +93,15 @@ def bench_step_variants(engine, steps: int = 40) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     rows = []
     for name, patches, pdl in _variants():
-        saved = {key: getattr(*key) for key in patches}
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
         try:
-            for (module, attr), value in patches.items():
-                setattr(module, attr, value)
+            for obj, attr, value in patches:
+                setattr(obj, attr, value)
             with dependent_launch.enabled_as(pdl):
                 engine.set_routing_policy(RoutingPolicy())  # captures the graphs with the variant
         finally:
-            for (module, attr), value in saved.items():
-                setattr(module, attr, value)
+            for obj, attr, value in saved:
+                setattr(obj, attr, value)
         seq = engine.add_request(torch.randint(0, 150000, (256,), generator=g).tolist(),
                                  SamplingParams(max_tokens=2 * steps, ignore_eos=True))
         while not seq.output_ids:
