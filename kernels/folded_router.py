@@ -12,8 +12,9 @@ where g is the norm's weight: the router rows W_r g (over r) and W_r g W_o (over
 once at load (`fold_router`), and their dot products need only what the output projection reads
 itself. So:
 
-1. `_out_proj_logits_kernel`: the output projection's rows with the residual add (h, stored) and,
-   y = g * h, and in E / BLOCK_N programs more, the router's logits before the norm's scale (float32);
+1. `_out_proj_logits_kernel`: the output projection's rows with the residual add (h, stored), y =
+   g * h (stored), and in E / BLOCK_N programs more the router's logits before the norm's scale
+   (float32);
 2. `_routed_gate_up_kernel`: every program takes h's RMS and the ranks of the scaled logits itself
    (4 kB and 512 B from L2), finds its slot's expert, and runs the gate and up GEMMs on y (their
    sums times 1 / RMS); one program more stores the ids and weights;
@@ -101,14 +102,14 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, we
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them), each expert's rank
     # among them (the experts ahead: a larger logit, or an equal one with a lower id, the order of
-    # `layer_ops.store_softmax_topk`), and the expert ranked `slot`. Ranks in one pass, because this
-    # is on the path to the first weight load: K rounds of argmax, as `store_softmax_topk` takes them,
-    # made this kernel 4-5 us slower a layer on the H100. The GEMM's input is y = g * h as stored,
-    # its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's (x =
-    # rms_norm(h) computed in the loop, a tile at a time, cost 8 us a layer: its operand no longer
-    # streamed straight from memory). Programs (K, *) compute no slot: the first of them stores the
-    # ids and weights, off the GEMM programs' path (one more multiprocessor, while the slots' 8 x
-    # I / BLOCK_N programs leave some idle at batch 1).
+    # `layer_ops.store_softmax_topk`), and the expert ranked `slot`: the ranks in one pass, as this is
+    # on the path to the first weight load (K rounds of argmax, as `store_softmax_topk` takes them:
+    # the batch-1 step 2.4 points less ahead of the unfolded one, docs/PERFORMANCE.md). The GEMM's
+    # input is y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the
+    # plain gate/up kernel's (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a
+    # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
+    # compute no slot: the first of them stores the ids and weights, off the GEMM programs' path
+    # (one more multiprocessor, while the slots' 8 x I / BLOCK_N programs leave some idle at batch 1).
     wait_for_inputs(PDL)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     if (slot == K) & (pid_n > 0):
