@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.kernels import folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
 
@@ -51,10 +53,10 @@ def _assert_matches(got, want, device, args):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("H,A,E,I,K,normalize", [(64, 128, 16, 32, 4, True), (96, 80, 60, 48, 8, False),
-                                                 (40, 64, 7, 16, 2, True)])
+                                                 (40, 64, 7, 16, 2, True), (64, 64, 16, 32, 1, True)])
 def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
     """Sizes not powers of two, experts not a multiple of the GEMV's rows a program, both
-    normalisations; twice in a row (nothing left over from a call)."""
+    normalisations, a single expert a token; twice in a row (nothing left over from a call)."""
     args = _block(device, H, A, E, I, seed=H + E)
     want = folded_moe_reference(*args, K, normalize, 1e-6)
     for _ in range(2):
@@ -99,3 +101,14 @@ def test_folded_moe_30b_shape_in_a_cuda_graph():
     graph.replay()
     want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 1e-6)
     _assert_matches(out, want, "cuda", fresh)
+
+
+@pytest.mark.parametrize("limit,folded", [(folded_router.FOLD_MAX_EXPERTS, True), (1, False)])
+def test_the_model_folds_its_routers_up_to_the_expert_limit(tiny_checkpoint, monkeypatch, limit, folded):
+    """Every MoE layer gets its folded rows at load, unless it has more experts than the rank pass
+    was built for; then `_folds_router` keeps the unfolded router."""
+    monkeypatch.setattr(folded_router, "FOLD_MAX_EXPERTS", limit)
+    eng = LLMEngine(tiny_checkpoint, EngineConfig(num_kv_blocks=8, block_size=16, max_model_len=64,
+                                                  max_num_batched_tokens=64))
+    moe = [layer for layer in eng.model.layers if layer.is_moe]
+    assert moe and all((layer.gate_r is not None) == folded for layer in moe)

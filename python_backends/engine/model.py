@@ -23,6 +23,7 @@ from ..checkpoint import TEXT_PREFIX, TensorStore, TextConfig
 from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
+from ..kernels import folded_router
 from ..kernels.folded_router import fold_router, folded_moe
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.gemv import linear, linear_reference
@@ -118,7 +119,8 @@ class Layer:
             E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
             self.gate = w("mlp.gate.weight")
             # The router folded into the output projection (`folded_moe`); 1.5 MB a layer at the 30B shape.
-            self.gate_r, self.gate_o = fold_router(self.gate, self.post_norm, self.o) if shard is None else (None, None)
+            foldable = shard is None and E <= folded_router.FOLD_MAX_EXPERTS
+            self.gate_r, self.gate_o = fold_router(self.gate, self.post_norm, self.o) if foldable else (None, None)
             self.gate_up = experts("mlp.experts.gate_up_proj", (E, 2 * I, H))
             self.down = experts("mlp.experts.down_proj", (E, H, I))
         else:
@@ -225,7 +227,8 @@ class Qwen3VLMoeTextDecoder:
 
     def _folds_router(self, layer: Layer, step: StepInputs, T: int) -> bool:
         """A decode token of a MoE layer that keeps its router's top-K (no re-routing policy at this
-        batch, no calibration hook, all experts here) takes `ops.folded_moe`, where the ops have one."""
+        batch, no calibration hook, all experts here, at most FOLD_MAX_EXPERTS of them) takes
+        `ops.folded_moe`, where the ops have one."""
         return (self.ops.folded_moe is not None and layer.is_moe and layer.gate_r is not None and T == 1
                 and not step.is_prefill and (T < self.routing_min_batch or not self.policy.reroutes)
                 and self.moe_input_hook is None)
