@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import launch_options, wait_for_inputs
-from .fused_moe import (down_per_slot, gate_up_pointers, gate_up_step, launch_options_moe, pick_config,
-                        store_silu_mul)
+from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
+                        pick_config, store_silu_mul)
 from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
 from .layer_ops import inverse_rms
 from .router import add_norm_router_reference
@@ -62,15 +62,8 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
     outputs times their weights [T, K, H] unsummed, ids [T, K], weights [T, K]). h [T, H] the
     residual stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are not needed."""
     h, x, _, ids, weights = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, top_k, normalize, eps)
-    slots = []
-    for k in range(top_k):
-        rows = []
-        for t in range(h.shape[0]):
-            e = int(ids[t, k])
-            g, u = F.linear(x[t:t + 1], gate_up[e]).chunk(2, dim=-1)
-            rows.append(F.linear(F.silu(g) * u, down[e]) * weights[t, k])
-        slots.append(torch.cat(rows))
-    return h, torch.stack(slots, dim=1), ids, weights
+    per_slot = [fused_experts_reference(x, ids[:, k:k + 1], weights[:, k:k + 1], gate_up, down) for k in range(top_k)]
+    return h, torch.stack(per_slot, dim=1), ids, weights
 
 
 @triton.jit

@@ -24,7 +24,6 @@ from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
 from ..kernels import folded_router
-from ..kernels.folded_router import fold_router, folded_moe
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.gemv import linear, linear_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -48,7 +47,7 @@ from .rope import MRope
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           qkv_norm_rope_cache=qkv_norm_rope_cache, add_norm_qkv=add_norm_qkv, linear=linear,
                           add_norm_router=add_norm_router, experts=fused_experts_per_slot,
-                          decode_attention=paged_decode_attention, folded_moe=folded_moe)
+                          decode_attention=paged_decode_attention, folded_moe=folded_router.folded_moe)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             qkv_norm_rope_cache=qkv_norm_rope_cache_reference, add_norm_qkv=add_norm_qkv_reference,
                             linear=linear_reference, add_norm_router=add_norm_router_reference,
@@ -120,7 +119,8 @@ class Layer:
             self.gate = w("mlp.gate.weight")
             # The router folded into the output projection (`folded_moe`); 1.5 MB a layer at the 30B shape.
             foldable = shard is None and E <= folded_router.FOLD_MAX_EXPERTS
-            self.gate_r, self.gate_o = fold_router(self.gate, self.post_norm, self.o) if foldable else (None, None)
+            self.gate_r, self.gate_o = (folded_router.fold_router(self.gate, self.post_norm, self.o) if foldable
+                                        else (None, None))
             self.gate_up = experts("mlp.experts.gate_up_proj", (E, 2 * I, H))
             self.down = experts("mlp.experts.down_proj", (E, H, I))
         else:
