@@ -1,6 +1,6 @@
-"""One token's MoE block with its router folded into the attention's output projection: three
-launches (Triton) where the output projection, the router and the two expert GEMMs were four;
-beside its PyTorch reference.
+"""One decode token's MoE block with its router folded into the attention's output projection:
+three launches (Triton) where the output projection, the router and the two expert GEMMs were
+four; beside its PyTorch reference.
 
 Why. At batch 1 the router is a launch of its own (`router.add_norm_router`, 8.0 us a layer on
 the H200 for 0.5 MB of weights) only because it needs the whole residual row h = r + W_o a (r the
@@ -21,11 +21,14 @@ itself. So:
 3. `fused_moe.down_per_slot`: the down GEMM of each slot, times its weight, unsummed (the next
    layer's q/k/v launch sums the slots with its residual add).
 
+A routing policy that leaves a lone token its first n experts (OEA: alone, a token's top-k0 is the
+whole union; truncation) is served too: the slots from n on get zeros and weight 0, and the down
+GEMM groups the slots by expert (`moe_align`, a fourth launch) so the first expert is read once.
+
 The logits differ from the reference's by rounding only: the reference rounds W_o a, h and x to
 the model's dtype before the router's GEMM, the fold rounds its folded rows once. Both then round
 the logits to the model's dtype, so the top-K differs only where two experts' logits were within
-that rounding of each other. Called by `engine/model.py` for a decode token that keeps the router's
-top-K (`Qwen3VLMoeTextDecoder._folds_router`).
+that rounding of each other. Called by `engine/model.py` (`Qwen3VLMoeTextDecoder._folded_route`).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 
 from .dependent_launch import launch_options, wait_for_inputs
 from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
-                        pick_config, store_silu_mul)
+                        moe_align, pick_config, store_silu_mul)
 from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
 from .layer_ops import inverse_rms
 from .router import add_norm_router_reference
@@ -57,13 +60,25 @@ def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) 
 
 
 def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k: int, normalize: bool,
-                         eps: float):
+                         keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float):
     """A decode token's MoE block after its attention, unfolded: (h + a W_o^T, the slots' expert
-    outputs times their weights [T, K, H] unsummed, ids [T, K], weights [T, K]). h [T, H] the
-    residual stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are not needed."""
-    h, x, _, ids, weights = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, top_k, normalize, eps)
+    outputs times their weights [T, K, H] unsummed, the router's ids [T, K], the ids computed, their
+    weights). keep < top_k: a token keeps its first `keep` experts (weights renormalised over them
+    where keep_normalize), its other slots point at its first expert with weight 0 (what OEA and
+    truncation do to a lone token), unless opt_out [T] (None: all False) says it keeps its top-K. h [T, H] the residual
+    stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are not needed."""
+    h, x, probs, router_ids, weights = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, top_k,
+                                                                 normalize, eps)
+    ids = router_ids
+    if keep < top_k:
+        opt_out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device) if opt_out is None else opt_out
+        live = (torch.arange(top_k, device=h.device) < keep)[None, :] | opt_out[:, None]
+        p = torch.where(live, probs.gather(1, router_ids), 0.0)
+        kept_w = (p / p.sum(dim=1, keepdim=True) if keep_normalize else p).to(weights.dtype)
+        ids = torch.where(live, router_ids, router_ids[:, :1])
+        weights = torch.where(opt_out[:, None], weights, kept_w)
     per_slot = [fused_experts_reference(x, ids[:, k:k + 1], weights[:, k:k + 1], gate_up, down) for k in range(top_k)]
-    return h, torch.stack(per_slot, dim=1), ids, weights
+    return h, torch.stack(per_slot, dim=1), router_ids, ids, weights
 
 
 @triton.jit
@@ -93,10 +108,30 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
 
 
 @triton.jit
-def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, H, I, E, eps,
-                           K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, H_PAD: tl.constexpr,
-                           NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K: tl.constexpr, K_PAD: tl.constexpr,
+                   NORMALIZE: tl.constexpr):
+    """The router's top-K ids by rank; the ids computed: the first `kept` of them, the other slots
+    pointing at the first expert with weight 0; weights the kept experts' probabilities, renormalised
+    over them where NORMALIZE."""
+    k = tl.arange(0, K_PAD)
+    chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)  # [K_PAD, E_PAD]
+    router_ids = tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64)
+    p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
+    live = k < kept
+    p_kept = tl.where(live, tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1), 0.0)
+    total = tl.sum(p_kept, axis=0) if NORMALIZE else tl.sum(p, axis=0)
+    tl.store(router_ids_ptr + k, router_ids, mask=k < K)
+    tl.store(ids_ptr + k, tl.where(live, router_ids, tl.sum(tl.where(k == 0, router_ids, 0))), mask=k < K)
+    tl.store(weights_ptr + k, (p_kept / total).to(weights_ptr.dtype.element_ty), mask=k < K)
+
+
+@triton.jit
+def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, router_ids_ptr, ids_ptr, weights_ptr,
+                           H, I, E, eps, K: tl.constexpr, KEEP: tl.constexpr, E_PAD: tl.constexpr,
+                           K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
+                           KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                           PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them), each expert's rank
     # among them (the experts ahead: a larger logit, or an equal one with a lower id, the order of
@@ -106,12 +141,27 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, we
     # input is y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the
     # plain gate/up kernel's (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a
     # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
-    # compute no slot: the first of them stores the ids and weights, off the GEMM programs' path
-    # (one more multiprocessor, while the slots' 8 x I / BLOCK_N programs leave some idle at batch 1).
+    # compute no slot: the first of them stores the
+    # routing, off the GEMM programs' path (one more multiprocessor, while the slots' 8 x I / BLOCK_N
+    # programs leave some idle at batch 1). KEEP < K: slots from KEEP on are dropped (their rows of
+    # the output zero), unless the token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr).
     wait_for_inputs(PDL)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     if (slot == K) & (pid_n > 0):
         return
+    kept = KEEP
+    if HAS_OPT_OUT and KEEP < K:
+        kept = tl.where(tl.load(opt_out_ptr).to(tl.int1), K, KEEP)
+    m = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols[None, :] < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if slot >= kept:  # a dropped slot (K itself routes, below): zeros, so its weight 0 times them is 0
+        if slot < K:
+            tl.store(out_ptr + slot * I + cols[None, :] + m[:, None] * 0, acc_g.to(out_ptr.dtype.element_ty),
+                     mask=(m[:, None] == 0) & col_ok)
+            return
     row = tl.arange(0, H_PAD)
     inv = inverse_rms(tl.load(h_ptr + row, mask=row < H, other=0.0), H, eps)
     e = tl.arange(0, E_PAD)
@@ -121,22 +171,14 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, we
     ahead = (theirs > mine) | ((theirs == mine) & (e[None, :] < e[:, None]))
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     if slot == K:
-        k = tl.arange(0, K_PAD)
-        chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)  # [K_PAD, E_PAD]
-        p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
-        p_chosen = tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1)
-        total = tl.sum(p_chosen, axis=0) if NORMALIZE else tl.sum(p, axis=0)
-        tl.store(ids_ptr + k, tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64), mask=k < K)
-        tl.store(weights_ptr + k, (p_chosen / total).to(weights_ptr.dtype.element_ty), mask=k < K)
+        if kept == K:
+            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K, K_PAD, ROUTER_NORMALIZE)
+        else:
+            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K, K_PAD, KEEP_NORMALIZE)
     else:
         expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
-        m = tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
-        col_ok = cols[None, :] < I
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             a = tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :],
                         mask=(m[:, None] == 0) & (k0 + ks < H)[None, :], other=0.0)  # the tile's one real row
@@ -147,15 +189,20 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, w_ptr, out_ptr, ids_ptr, we
 @torch.library.custom_op("zipmoe::folded_moe", mutates_args=())
 def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor,
                gate_r: torch.Tensor, gate_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-               normalize: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`folded_moe_reference`'s contract for one token in three launches (gate, the unfolded router,
-    is not read: gate_r and gate_o are its fold)."""
+               normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`folded_moe_reference`'s contract for one token: three launches, four where it keeps fewer
+    than top_k experts (the down GEMM then groups the slots by expert, `moe_align`, so that the
+    dropped slots' first expert is read once). gate, the unfolded router, is not read: gate_r and
+    gate_o are its fold."""
     H, A = o_weight.shape
     E, two_i, _ = gate_up.shape
     I = two_i // 2
     if h.shape != (1, H) or attn.shape != (1, A):
         raise ValueError(f"folded_moe serves one token: h [1, {H}] and attn [1, {A}], got {tuple(h.shape)} and "
                          f"{tuple(attn.shape)}")
+    if not 1 <= keep <= top_k:
+        raise ValueError(f"folded_moe keeps 1 to top_k ({top_k}) experts, got {keep}")
     h, attn = h.contiguous(), attn.contiguous()
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
@@ -164,18 +211,23 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H))), num_warps=GEMV_WARPS,
         **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
-    ids = torch.empty(1, top_k, dtype=torch.int64, device=h.device)
+    router_ids, ids = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(2))
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
     _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, cfg.block_n))](
-        h_out, y, logits, gate_up, hidden, ids, weights, H, I, E, eps, K=top_k, E_PAD=triton.next_power_of_2(E),
-        K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), NORMALIZE=normalize,
-        **launch_options_moe(cfg, h))
-    per_slot = down_per_slot(hidden, down, weights, ids, ids.reshape(-1), cfg, slot_tiles=True)
-    return h_out, per_slot.view(1, top_k, H), ids, weights
+        h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, H, I, E,
+        eps, K=top_k, KEEP=keep, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
+        H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize, KEEP_NORMALIZE=keep_normalize,
+        HAS_OPT_OUT=opt_out is not None, **launch_options_moe(cfg, h))
+    if keep == top_k:  # the router's own top-K: distinct experts, each slot a tile
+        per_slot = down_per_slot(hidden, down, weights, ids, ids.reshape(-1), cfg, slot_tiles=True)
+    else:
+        per_slot = down_per_slot(hidden, down, weights, *moe_align(ids, E, cfg.block_m), cfg, slot_tiles=False)
+    return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
 
 
 @folded_moe.register_fake
-def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, eps):
-    return (torch.empty_like(h), h.new_empty(1, top_k, h.shape[1]), h.new_empty(1, top_k, dtype=torch.int64),
-            h.new_empty(1, top_k))
+def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, keep, keep_normalize, opt_out,
+      eps):
+    ids = h.new_empty(1, top_k, dtype=torch.int64)
+    return torch.empty_like(h), h.new_empty(1, top_k, h.shape[1]), ids, torch.empty_like(ids), h.new_empty(1, top_k)

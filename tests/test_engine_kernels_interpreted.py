@@ -12,6 +12,7 @@ import torch
 
 from zipmoe.engine import model
 from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.routing import OeaPolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
@@ -19,10 +20,11 @@ from zipmoe.vision import VisionEncoder
 from test_vision_reference import SIZES, visual_request
 
 
-def serve(checkpoint, requests, kernels: bool, folded: list | None = None):
+def serve(checkpoint, requests, kernels: bool, folded: list | None = None, policy=None):
     """(each request's tokens, preemptions); folded: gets a None for each `folded_moe` call."""
     eng = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_kv_blocks=18, block_size=4,
-                                             max_model_len=72, max_num_batched_tokens=48, max_num_seqs=4))
+                                             max_model_len=72, max_num_batched_tokens=48, max_num_seqs=4),
+                    policy=policy)
     if kernels:
         def counted(*args):
             folded.append(None)
@@ -45,3 +47,13 @@ def test_kernels_give_the_reference_tokens_on_a_mixed_image_load(tiny_checkpoint
     folded = []
     assert serve(tiny_checkpoint, requests, kernels=True, folded=folded) == (reference, preempted)
     assert folded  # steps with one decode token took the folded router
+
+
+def test_a_lone_token_under_oea_takes_the_folded_router(tiny_checkpoint):
+    """OEA leaves a lone decode token its top-k0 (`RoutingPolicy.one_token_route`): with the kernels
+    that is `folded_moe` keeping 2 experts, and the tokens are the reference's (the router, then OEA)."""
+    requests = [(list(range(3, 11)), None)]
+    reference, _ = serve(tiny_checkpoint, requests, kernels=False, policy=OeaPolicy(2))
+    folded = []
+    assert serve(tiny_checkpoint, requests, kernels=True, folded=folded, policy=OeaPolicy(2))[0] == reference
+    assert folded

@@ -1,6 +1,7 @@
 """One token's MoE block with the router folded into the output projection (`folded_moe`, three
 launches) against its unfolded reference (CPU: Triton's interpreter, float32; GPU: bf16 at the
-30B shape, and in a CUDA graph)."""
+30B shape, and in a CUDA graph), keeping the top-K or, as OEA and truncation leave a lone token,
+its first experts; and the reference against those policies."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.routing import OeaPolicy, TruncatePolicy
 from zipmoe.kernels import folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
@@ -36,19 +38,19 @@ def _assert_matches(got, want, device, args):
     reference's only where both had near-equal router probabilities (the fold rounds otherwise, see
     folded_router.py); outputs are compared on the slots that agree."""
     tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
-    h, per_slot, ids, weights = got
+    h, per_slot, router_ids, ids, weights = got
     torch.testing.assert_close(h, want[0], **tol)
-    same = ids == want[2]
+    same = (router_ids == want[2]) & (ids == want[3])
     if device == "cpu":
         assert same.all()
     else:
         h_ref, attn, o_weight, norm, gate = args[:5]
         probs = add_norm_router_reference(h_ref, F.linear(attn, o_weight), norm, gate, ids.shape[1], True, 1e-6)[2]
-        assert torch.allclose(probs.gather(1, ids), probs.gather(1, want[2]), rtol=3e-2, atol=1e-4)
+        assert torch.allclose(probs.gather(1, router_ids), probs.gather(1, want[2]), rtol=3e-2, atol=1e-4)
         assert same.float().mean() >= 0.75
     torch.testing.assert_close(per_slot[same], want[1][same], **tol)
     if same.all():
-        torch.testing.assert_close(weights, want[3], **tol)
+        torch.testing.assert_close(weights, want[4], **tol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -58,9 +60,42 @@ def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
     """Sizes not powers of two, experts not a multiple of the GEMV's rows a program, both
     normalisations, a single expert a token; twice in a row (nothing left over from a call)."""
     args = _block(device, H, A, E, I, seed=H + E)
-    want = folded_moe_reference(*args, K, normalize, 1e-6)
+    want = folded_moe_reference(*args, K, normalize, K, normalize, None, 1e-6)
     for _ in range(2):
-        _assert_matches(folded_moe(*args, K, normalize, 1e-6), want, device, args)
+        _assert_matches(folded_moe(*args, K, normalize, K, normalize, None, 1e-6), want, device, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("keep,keep_normalize", [(2, True), (1, False), (3, True)])
+@pytest.mark.parametrize("opt_out", [None, False, True])
+def test_folded_moe_keeps_the_first_experts(device, keep, keep_normalize, opt_out):
+    """A lone token keeping its first `keep` experts: the other slots at its first expert with weight
+    0 and outputs 0; a token that opted out keeps its top-K and the router's weights."""
+    args = _block(device, 64, 128, 16, 32, seed=keep)
+    flag = None if opt_out is None else torch.tensor([opt_out], device=device)
+    want = folded_moe_reference(*args, 4, True, keep, keep_normalize, flag, 1e-6)
+    got = folded_moe(*args, 4, True, keep, keep_normalize, flag, 1e-6)
+    _assert_matches(got, want, device, args)
+    dropped = slice(4 if opt_out else keep, None)
+    assert (got[4][:, dropped] == 0).all() and (got[1][:, dropped] == 0).all()
+    assert (got[3][:, dropped] == got[2][:, :1]).all()
+
+
+@pytest.mark.parametrize("policy", [OeaPolicy(2, normalize=True), OeaPolicy(3, normalize=False),
+                                    TruncatePolicy(2, normalize=True)], ids=["oea", "oea-raw", "truncate"])
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_reference_routes_a_lone_token_as_the_policy(policy, opt_out):
+    """`one_token_route` says what the policy does to one token: the reference given it routes as the
+    policy's own `route` after the router."""
+    args = _block("cpu", 64, 128, 16, 32)
+    h, attn, o_weight, norm, gate = args[:5]
+    keep, keep_normalize = policy.one_token_route(4, True)
+    flag = torch.tensor([opt_out])
+    _, _, router_ids, ids, weights = folded_moe_reference(*args, 4, True, keep, keep_normalize, flag, 1e-6)
+    _, _, probs, top_ids, top_w = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, 4, True, 1e-6)
+    want_ids, want_w = policy.route(0, probs, top_ids, top_w, flag)
+    assert torch.equal(router_ids, top_ids) and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w)
 
 
 def test_fold_is_the_norm_then_the_router():
@@ -74,14 +109,17 @@ def test_fold_is_the_norm_then_the_router():
 
 def test_folded_moe_op_schema_and_fake():
     args = _block("cpu", 64, 128, 16, 32)
-    torch.library.opcheck(torch.ops.zipmoe.folded_moe.default, args + (4, True, 1e-6),
-                          test_utils=("test_schema", "test_faketensor"))
+    for keep, opt_out in ((4, None), (2, torch.tensor([False]))):
+        torch.library.opcheck(torch.ops.zipmoe.folded_moe.default, args + (4, True, keep, True, opt_out, 1e-6),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_folded_moe_refuses_more_than_one_token():
     h, attn, *rest = _block("cpu", 64, 128, 16, 32)
     with pytest.raises(ValueError, match="one token"):
-        folded_moe(h.repeat(2, 1), attn.repeat(2, 1), *rest, 4, True, 1e-6)
+        folded_moe(h.repeat(2, 1), attn.repeat(2, 1), *rest, 4, True, 4, True, None, 1e-6)
+    with pytest.raises(ValueError, match="keeps 1 to top_k"):
+        folded_moe(h, attn, *rest, 4, True, 5, True, None, 1e-6)
 
 
 @pytest.mark.gpu
@@ -91,22 +129,22 @@ def test_folded_moe_30b_shape_in_a_cuda_graph():
     args = list(_block("cuda", 2048, 4096, 128, 768, spread=8.0))
     static_h, static_attn = args[0].clone(), args[1].clone()
     torch.cuda.synchronize()
-    folded_moe(static_h, static_attn, *args[2:], 8, True, 1e-6)  # compile outside the capture
+    folded_moe(static_h, static_attn, *args[2:], 8, True, 8, True, None, 1e-6)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = folded_moe(static_h, static_attn, *args[2:], 8, True, 1e-6)
+        out = folded_moe(static_h, static_attn, *args[2:], 8, True, 8, True, None, 1e-6)
     fresh = _block("cuda", 2048, 4096, 128, 768, seed=7, spread=8.0)
     static_h.copy_(fresh[0])
     static_attn.copy_(fresh[1])
     graph.replay()
-    want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 1e-6)
+    want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 8, True, None, 1e-6)
     _assert_matches(out, want, "cuda", fresh)
 
 
 @pytest.mark.parametrize("limit,folded", [(folded_router.FOLD_MAX_EXPERTS, True), (1, False)])
 def test_the_model_folds_its_routers_up_to_the_expert_limit(tiny_checkpoint, monkeypatch, limit, folded):
     """Every MoE layer gets its folded rows at load, unless it has more experts than the rank pass
-    was built for; then `_folds_router` keeps the unfolded router."""
+    was built for; then `_folded_route` keeps the unfolded router."""
     monkeypatch.setattr(folded_router, "FOLD_MAX_EXPERTS", limit)
     eng = LLMEngine(tiny_checkpoint, EngineConfig(num_kv_blocks=8, block_size=16, max_model_len=64,
                                                   max_num_batched_tokens=64))

@@ -204,10 +204,13 @@ class Qwen3VLMoeTextDecoder:
         """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or (h, None)
         after the last layer. inject(h) -> h: the layer's DeepStack features added (the first layers)."""
         ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps
-        if self._folds_router(layer, step, attn.shape[0]):
-            h, out, ids, _ = ops.folded_moe(h, attn, layer.o, layer.post_norm, layer.gate, layer.gate_r, layer.gate_o,
-                                            layer.gate_up, layer.down, cfg.top_k, cfg.norm_topk_prob, eps)
-            routing.append((ids, ids))
+        folded = self._folded_route(layer, step, attn.shape[0])
+        if folded is not None:
+            keep, keep_normalize = folded
+            h, out, router_ids, ids, _ = ops.folded_moe(
+                h, attn, layer.o, layer.post_norm, layer.gate, layer.gate_r, layer.gate_o, layer.gate_up, layer.down,
+                cfg.top_k, cfg.norm_topk_prob, keep, keep_normalize, step.opt_out if keep < cfg.top_k else None, eps)
+            routing.append((router_ids, ids))
         elif layer.is_moe:
             o = ops.linear(attn, layer.o)
             h, out = self._moe(layer, h, o, step, routing)
@@ -225,13 +228,17 @@ class Qwen3VLMoeTextDecoder:
             return h, None
         return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
 
-    def _folds_router(self, layer: Layer, step: StepInputs, T: int) -> bool:
-        """A decode token of a MoE layer that keeps its router's top-K (no re-routing policy at this
-        batch, no calibration hook, all experts here, at most FOLD_MAX_EXPERTS of them) takes
-        `ops.folded_moe`, where the ops have one."""
-        return (self.ops.folded_moe is not None and layer.is_moe and layer.gate_r is not None and T == 1
-                and not step.is_prefill and (T < self.routing_min_batch or not self.policy.reroutes)
-                and self.moe_input_hook is None)
+    def _folded_route(self, layer: Layer, step: StepInputs, T: int) -> tuple[int, bool] | None:
+        """A MoE layer's decode step of one token takes `ops.folded_moe` (where the ops have one, no
+        calibration hook reads the experts' input, all experts are here): (experts the token keeps of
+        its top-K, whether their weights are renormalised over them), as the routing policy routes a
+        lone token (`RoutingPolicy.one_token_route`); None: the router, then the policy's `route`."""
+        if (self.ops.folded_moe is None or not layer.is_moe or layer.gate_r is None or T != 1 or step.is_prefill
+                or self.moe_input_hook is not None):
+            return None
+        if T < self.routing_min_batch:  # plain top-K at this batch
+            return self.cfg.top_k, self.cfg.norm_topk_prob
+        return self.policy.one_token_route(self.cfg.top_k, self.cfg.norm_topk_prob)
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), vocab] of the final hidden states' chosen rows."""

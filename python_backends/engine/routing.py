@@ -90,7 +90,13 @@ class RoutingPolicy:
     # decode rows of a step with prompt chunks (model.py, runner.py), so that a request's routing never
     # depends on what shares its step (issue 18's harness reads truncation's cost from every token).
     per_token = False
-    reroutes = False  # this one keeps every token's top-K (a decode token may then take model.py's folded router)
+
+    def one_token_route(self, top_k: int, normalize: bool) -> tuple[int, bool] | None:
+        """What the policy does to a decode step of one token, where it is to keep the first n of the
+        router's top-K (the other slots at the first expert, weight 0): (n, whether the kept weights
+        are renormalised over them). model.py then routes inside the expert kernels
+        (`kernels/folded_router.py`). None: it does something else (the router, then `route`)."""
+        return top_k, normalize
 
     def route(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               opt_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +106,6 @@ class RoutingPolicy:
 
 class SerePolicy(RoutingPolicy):
     name = "sere"
-    reroutes = True
 
     def __init__(self, similarity: torch.Tensor, protect: torch.Tensor, layer_rows: dict[int, int],
                  primary_k: int = 2, threshold: float = 0.5, use_protect: bool = True):
@@ -109,6 +114,9 @@ class SerePolicy(RoutingPolicy):
         self.layer_rows = layer_rows  # decoder layer index -> row of the tables
         self.primary_k = primary_k
         self.threshold = threshold
+
+    def one_token_route(self, top_k, normalize):
+        return (top_k, normalize) if self.primary_k >= top_k else None
 
     def route(self, layer, probs, ids, weights, opt_out):
         if self.primary_k >= ids.shape[1]:
@@ -121,11 +129,14 @@ class SerePolicy(RoutingPolicy):
 
 class OeaPolicy(RoutingPolicy):
     name = "oea"
-    reroutes = True
 
     def __init__(self, k0: int = 2, normalize: bool = True):
         self.k0 = k0
         self.normalize = normalize
+
+    def one_token_route(self, top_k, normalize):
+        # Alone, a token's top-k0 is the whole union: its other slots find no candidate.
+        return (top_k, normalize) if self.k0 >= top_k else (self.k0, self.normalize)
 
     def route(self, layer, probs, ids, weights, opt_out):
         if self.k0 >= ids.shape[1]:
@@ -140,11 +151,17 @@ class TruncatePolicy(RoutingPolicy):
     slots point at the token's first expert with weight 0, weights renormalised over the k kept."""
     name = "truncate"
     per_token = True
-    reroutes = True
 
     def __init__(self, k: int = 2, normalize: bool = True):
         self.k = k
         self.normalize = normalize
+
+    def one_token_route(self, top_k, normalize):
+        if self.k >= top_k:
+            return top_k, normalize
+        # The kept slots keep the router's weights, renormalised over them or not: the latter are the
+        # probabilities themselves only where the router does not renormalise over its top-K.
+        return (self.k, True) if self.normalize else ((self.k, False) if not normalize else None)
 
     def route(self, layer, probs, ids, weights, opt_out):
         if self.k >= ids.shape[1]:
