@@ -22,8 +22,9 @@ itself. So:
    layer's q/k/v launch sums the slots with its residual add).
 
 A routing policy that leaves a lone token its first n experts (OEA: alone, a token's top-k0 is the
-whole union; truncation) is served too: the slots from n on get zeros and weight 0, and the down
-GEMM groups the slots by expert (`moe_align`, a fourth launch) so the first expert is read once.
+whole union; truncation) is served too, in the same three launches: the slots from n on get weight
+0, no gate/up program, and expert -1 in the down GEMM's tiles, which stores their rows as zeros
+without reading an expert.
 
 The logits differ from the reference's by rounding only: the reference rounds W_o a, h and x to
 the model's dtype before the router's GEMM, the fold rounds its folded rows once. Both then round
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from .dependent_launch import launch_options, wait_for_inputs
 from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
-                        moe_align, pick_config, store_silu_mul)
+                        pick_config, store_silu_mul)
 from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
 from .layer_ops import inverse_rms
 from .router import add_norm_router_reference
@@ -108,11 +109,11 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
 
 
 @triton.jit
-def _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K: tl.constexpr, K_PAD: tl.constexpr,
-                   NORMALIZE: tl.constexpr):
+def _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K: tl.constexpr,
+                   K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
     """The router's top-K ids by rank; the ids computed: the first `kept` of them, the other slots
     pointing at the first expert with weight 0; weights the kept experts' probabilities, renormalised
-    over them where NORMALIZE."""
+    over them where NORMALIZE; the down GEMM's tiles: the kept ids, -1 for a dropped slot."""
     k = tl.arange(0, K_PAD)
     chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)  # [K_PAD, E_PAD]
     router_ids = tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64)
@@ -123,11 +124,12 @@ def _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K
     tl.store(router_ids_ptr + k, router_ids, mask=k < K)
     tl.store(ids_ptr + k, tl.where(live, router_ids, tl.sum(tl.where(k == 0, router_ids, 0))), mask=k < K)
     tl.store(weights_ptr + k, (p_kept / total).to(weights_ptr.dtype.element_ty), mask=k < K)
+    tl.store(tiles_ptr + k, tl.where(live, router_ids, -1), mask=k < K)
 
 
 @triton.jit
 def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, router_ids_ptr, ids_ptr, weights_ptr,
-                           H, I, E, eps, K: tl.constexpr, KEEP: tl.constexpr, E_PAD: tl.constexpr,
+                           tiles_ptr, H, I, E, eps, K: tl.constexpr, KEEP: tl.constexpr, E_PAD: tl.constexpr,
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -143,8 +145,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
     # compute no slot: the first of them stores the
     # routing, off the GEMM programs' path (one more multiprocessor, while the slots' 8 x I / BLOCK_N
-    # programs leave some idle at batch 1). KEEP < K: slots from KEEP on are dropped (their rows of
-    # the output zero), unless the token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr).
+    # programs leave some idle at batch 1). KEEP < K: slots from KEEP on are dropped (no GEMM; the
+    # down GEMM skips them too), unless the token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr).
     wait_for_inputs(PDL)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     if (slot == K) & (pid_n > 0):
@@ -152,16 +154,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     kept = KEEP
     if HAS_OPT_OUT and KEEP < K:
         kept = tl.where(tl.load(opt_out_ptr).to(tl.int1), K, KEEP)
-    m = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols[None, :] < I
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if slot >= kept:  # a dropped slot (K itself routes, below): zeros, so its weight 0 times them is 0
-        if slot < K:
-            tl.store(out_ptr + slot * I + cols[None, :] + m[:, None] * 0, acc_g.to(out_ptr.dtype.element_ty),
-                     mask=(m[:, None] == 0) & col_ok)
-            return
+    if (slot >= kept) & (slot < K):  # a dropped slot (K itself routes, below)
+        return
     row = tl.arange(0, H_PAD)
     inv = inverse_rms(tl.load(h_ptr + row, mask=row < H, other=0.0), H, eps)
     e = tl.arange(0, E_PAD)
@@ -172,11 +166,18 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     if slot == K:
         if kept == K:
-            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K, K_PAD, ROUTER_NORMALIZE)
+            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD,
+                           ROUTER_NORMALIZE)
         else:
-            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, K, K_PAD, KEEP_NORMALIZE)
+            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD,
+                           KEEP_NORMALIZE)
     else:
         expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols[None, :] < I
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
         w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
         for k0 in range(0, H, BLOCK_K):
@@ -191,10 +192,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                gate_r: torch.Tensor, gate_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None,
                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`folded_moe_reference`'s contract for one token: three launches, four where it keeps fewer
-    than top_k experts (the down GEMM then groups the slots by expert, `moe_align`, so that the
-    dropped slots' first expert is read once). gate, the unfolded router, is not read: gate_r and
-    gate_o are its fold."""
+    """`folded_moe_reference`'s contract for one token in three launches, the dropped slots' experts
+    not read. gate, the unfolded router, is not read: gate_r and gate_o are its fold."""
     H, A = o_weight.shape
     E, two_i, _ = gate_up.shape
     I = two_i // 2
@@ -211,18 +210,16 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H))), num_warps=GEMV_WARPS,
         **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
-    router_ids, ids = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(2))
+    router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
     _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, cfg.block_n))](
-        h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, H, I, E,
-        eps, K=top_k, KEEP=keep, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
+        h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
+        H, I, E, eps, K=top_k, KEEP=keep, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
         H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize, KEEP_NORMALIZE=keep_normalize,
         HAS_OPT_OUT=opt_out is not None, **launch_options_moe(cfg, h))
-    if keep == top_k:  # the router's own top-K: distinct experts, each slot a tile
-        per_slot = down_per_slot(hidden, down, weights, ids, ids.reshape(-1), cfg, slot_tiles=True)
-    else:
-        per_slot = down_per_slot(hidden, down, weights, *moe_align(ids, E, cfg.block_m), cfg, slot_tiles=False)
+    # Each slot a tile: the kept experts are distinct (the router's top-K).
+    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
 
 

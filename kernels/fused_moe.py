@@ -230,14 +230,17 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
     wait_for_inputs(PDL)
     pid_n = tl.program_id(1)
     expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
-    if expert < 0:
-        return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols[None, :] < H
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    out_rows = out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :]
+    if expert < 0:
+        if SLOT_TILES:  # a slot its routing dropped (`folded_router`): its output row is zero, no expert read
+            tl.store(out_rows, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok)
+        return
     ks = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + slots[:, None].to(tl.int64) * I
     w_cols = w_ptr + expert * H * I + cols[None, :].to(tl.int64) * I
-    col_ok = cols[None, :] < H
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = k0 + ks < I
         a = tl.load(h_rows + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -245,8 +248,7 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     weight = tl.load(weight_ptr + slots, mask=valid, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
-    tl.store(out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & col_ok)
+    tl.store(out_rows, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok)
 
 
 def launch_options_moe(cfg: MoeConfig, x: torch.Tensor) -> dict:
@@ -260,7 +262,8 @@ def launch_options_moe(cfg: MoeConfig, x: torch.Tensor) -> dict:
 def down_per_slot(hidden: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, tile_slots: torch.Tensor,
                   tile_expert: torch.Tensor, cfg: MoeConfig, slot_tiles: bool) -> torch.Tensor:
     """The down GEMM of the gate/up kernel's output rows [S, I]: each slot's output times its routing
-    weight, [S, H] unsummed (also `folded_router.folded_moe`'s last launch)."""
+    weight, [S, H] unsummed (also `folded_router.folded_moe`'s last launch). slot_tiles: tile g is slot
+    g, tile_expert its expert, -1 where the slot is dropped (its row zero)."""
     S, I = hidden.shape
     H = down.shape[1]
     per_slot = torch.empty(S, H, dtype=hidden.dtype, device=hidden.device)
