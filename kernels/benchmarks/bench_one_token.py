@@ -16,7 +16,8 @@ Rows as `bench_kernels.row` makes them (bench, impl, batch 1, time_us per layer)
 in one engine (its graphs captured again for each, the committed choices first and last, so
 drift shows): "step_variant" rows, policy the variant's name, graph replay and pipelined step.
 The variants: the router apart from the output projection (`folded_moe` off: the output
-projection, the router with the norm, and the experts as four launches); the q/k/v launch's norm
+projection, the router with the norm, and the experts as four launches); the expert GEMMs' default
+tile shape where the device has a tuned one (`fused_moe.pick_config`); the q/k/v launch's norm
 apart (two launches); the attention's keys a tile; and the whole step without PDL. (Session 32 also
 timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of the input width:
 docs/PERFORMANCE.md.)
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from zipmoe.engine import model
 from zipmoe.engine.routing import RoutingPolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels import dependent_launch, paged_attention, qkv_norm_rope
+from zipmoe.kernels import dependent_launch, fused_moe, paged_attention, qkv_norm_rope
 from zipmoe.kernels.gemv import gemv
 from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
@@ -81,6 +82,7 @@ def _variants() -> list[tuple[str, list, bool]]:
     return [
         ("as committed", [], True),
         ("router apart (not folded)", [(model.KERNELS, "folded_moe", None)], True),
+        ("expert tiles untuned (default shape)", [(fused_moe, "_tuned", lambda key: {})], True),
         ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True),
         ("attention 64 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(64))], True),
         ("no PDL", [], False),
