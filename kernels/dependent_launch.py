@@ -7,7 +7,10 @@ sits idle. With PDL a kernel is launched while the one before is still running; 
 wait in `wait_for_inputs` until every earlier kernel has finished and its writes are visible,
 then let the next kernel launch in turn. (Asking L2 for the q/k/v and router weights before the
 wait was measured too, session 20: 2 % slower at batch 1 and 9 % at 4, 2-3 % faster at 16 and
-64; not kept.)
+64; not kept. So was asking L2 for the next launch's weights from extra programs of a launch bound
+by latency, session 36: the output projection's by the attention, an expert's down rows by its
+gate/up programs, with `prefetch.global.L2`; the batch-1 step 7 % slower, each alone 2-3 %, as the
+launches that asked took longer than the ones that found their weights in L2 gained; not kept.)
 
 The rule every kernel here keeps: it calls `wait_for_inputs` before it reads or writes memory,
 in every program, so waiting on the kernel just before is waiting on all of them. A launch without the flag (cuBLAS, PyTorch's
