@@ -54,8 +54,8 @@ def sum_slots(delta: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def residual_sum(h_ptr, delta_ptr, cols, mask, N, SLOTS: tl.constexpr):
     """h + delta at `cols` of one token's row of N: delta's SLOTS rows summed in float32 and rounded
-    once, as `sum_slots` rounds, then added in h's dtype, as `add_rms_norm_reference` adds. Also the
-    prologue of the kernels that take a layer's input norm in (`router.py`, `qkv_norm_rope.py`)."""
+    once, as `sum_slots` rounds, then added in h's dtype, as `add_rms_norm_reference` adds. Also used
+    by the kernels that take a layer's input norm in (`router.py`, `qkv_norm_rope.py`)."""
     h = tl.load(h_ptr + cols, mask=mask, other=0.0)
     delta = tl.load(delta_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, SLOTS):

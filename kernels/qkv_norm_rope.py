@@ -12,10 +12,14 @@ launch where there were two, up to 16 tokens; the engine takes it where it was m
 (QKV_MAX_T), cuBLAS's GEMM and `qk_norm_rope_cache` elsewhere.
 
 For one token the launch also takes the layer's input norm in (`add_norm_qkv`): each program adds
-the residual stream and the MoE layer's slot outputs before it, takes the whole row's RMS (36 kB
-from L2 at the 30B shape), and norms its own share of the input. One launch fewer a layer: the
-step was 80-95 us faster at batch 1 than with `layer_ops.add_rms_norm` apart (session 30), though
-the kernel alone is 0.5 us slower than the two.
+the residual stream and the MoE layer's slot outputs for its share of the input width, and runs
+its GEMV on g * (h + delta) (g the norm's weight) with the share's sum of squares beside it. The
+norm's 1 / RMS is one number for the whole row, so the last program of a head applies it to the
+summed splits, from the splits' sums of squares: no program reads the whole row before its first
+weight load (as each once did, 36 kB from L2 at the 30B shape). One launch fewer a layer: the
+step was 80-95 us faster at batch 1 than with `layer_ops.add_rms_norm` apart (session 30). The
+norm's output is not rounded to the model's dtype before the GEMV, as the reference rounds it:
+the results differ from it by that rounding.
 
 Called by `engine/model.py` at the start of each layer's attention: `ops.add_norm_qkv` after the
 layer before, `ops.qkv_norm_rope_cache` for the first layer and steps with DeepStack features.
@@ -27,8 +31,8 @@ import torch.nn.functional as F
 
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .dependent_launch import launch_options, wait_for_inputs
-from .layer_ops import (add_rms_norm, add_rms_norm_reference, inverse_rms, qk_norm_rope_cache,
-                        qk_norm_rope_cache_reference, residual_sum, scaled)
+from .layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache, qk_norm_rope_cache_reference,
+                        residual_sum)
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -52,11 +56,12 @@ def qkv_norm_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, q_norm:
 
 
 @triton.jit
-def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                          slots_ptr, q_out_ptr, h_ptr, delta_ptr, norm_ptr, h_out_ptr, T, K, K_PER_SPLIT, eps,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                          BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr, ADD_NORM: tl.constexpr, SLOTS: tl.constexpr,
-                          K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr,
+                          kc_ptr, vc_ptr, slots_ptr, q_out_ptr, h_ptr, delta_ptr, norm_ptr, h_out_ptr, T, K,
+                          K_PER_SPLIT, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
+                          ADD_NORM: tl.constexpr, SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          PDL: tl.constexpr):
     wait_for_inputs(PDL)
     head, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     NCOLS: tl.constexpr = (HQ + 2 * HKV) * D
@@ -64,12 +69,10 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
     rows = tl.arange(0, BLOCK_T).to(tl.int64)
     d = tl.arange(0, D)
     cols = head * D + d
-    if ADD_NORM:
-        # One token: x = rms_norm(h + delta) is made here, as `layer_ops.add_rms_norm` makes it
-        # (delta: the MoE layer's SLOTS slot outputs, summed on the way). Every program takes the
-        # row's statistics; the first head's programs store their columns of h + delta (h_out).
-        whole_row = tl.arange(0, K_PAD)
-        row_inv = inverse_rms(residual_sum(h_ptr, delta_ptr, whole_row, whole_row < K, K, SLOTS), K, eps)
+    # One token (ADD_NORM): the GEMV runs on g * (h + delta) (delta: the MoE layer's SLOTS slot
+    # outputs, summed on the way, as `layer_ops.add_rms_norm` sums them), its 1 / RMS applied after
+    # the splits are summed; the first head's programs store their columns of h + delta (h_out).
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, tl.minimum((split + 1) * K_PER_SPLIT, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -79,7 +82,9 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
             res_part = residual_sum(h_ptr, delta_ptr, k, k < K, K, SLOTS)
             if head == 0:
                 tl.store(h_out_ptr + k, res_part, mask=k < K)
-            x_part = scaled(res_part, row_inv, tl.load(norm_ptr + k, mask=k < K, other=0.0))
+            r32 = res_part.to(tl.float32)
+            squares += r32 * r32
+            x_part = (tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32) * r32).to(res_part.dtype)
             xs = tl.where(rows[:, None] == 0, x_part.to(tl.float32)[None, :], 0.0).to(x_part.dtype)
         else:
             xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K),
@@ -87,8 +92,15 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, arrivals_ptr, qn_ptr, kn_pt
         acc += tl.dot(xs, tl.trans(ws), input_precision=DOT_PRECISION)
     row_ok = rows[:, None] < T
     tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
+    if ADD_NORM:
+        tl.store(squares_ptr + head * MAX_SPLIT + split, tl.sum(squares, axis=0))
     if last_to_arrive(arrivals_ptr + head, split_count):
         x32 = sum_splits(partial_ptr, rows, cols, T, NCOLS, split_count, row_ok, MAX_SPLIT)
+        if ADD_NORM:  # the norm's 1 / RMS, from the head's splits' sums of squares (they cover the row)
+            s = tl.arange(0, MAX_SPLIT)
+            total = tl.sum(tl.load(squares_ptr + head * MAX_SPLIT + s, mask=s < split_count, other=0.0,
+                                   cache_modifier=".cg"), axis=0)
+            x32 = x32 * tl.rsqrt(total / K + eps)
         dtype = q_out_ptr.dtype.element_ty
         x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
         slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
@@ -141,13 +153,15 @@ def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: tor
         split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(K, QKV_BLOCK_K)))
         k_per_split = split_width(K, split, QKV_BLOCK_K)
         partial = torch.empty(split, T, heads * D, dtype=torch.float32, device=x.device)
+        squares = torch.empty(heads, QKV_MAX_SPLIT, dtype=torch.float32, device=x.device) if norm_inputs else partial
         h, delta, norm, h_out = norm_inputs or (x, x, x, x)
         _qkv_norm_rope_kernel[(heads, split)](
-            x.contiguous(), weight.contiguous(), partial, arrival_counters("qkv_norm_rope", x.device, QKV_MAX_HEADS),
+            x.contiguous(), weight.contiguous(), partial, squares,
+            arrival_counters("qkv_norm_rope", x.device, QKV_MAX_HEADS),
             q_norm, k_norm, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots, q, h, delta, norm, h_out,
             T, K, k_per_split, eps, HQ=num_heads, HKV=num_kv_heads, D=D, BLOCK_T=QKV_BLOCK_T, BLOCK_K=QKV_BLOCK_K,
             MAX_SPLIT=QKV_MAX_SPLIT, ADD_NORM=norm_inputs is not None,
-            SLOTS=delta.shape[1] if delta.dim() == 3 else 1, K_PAD=triton.next_power_of_2(K),
+            SLOTS=delta.shape[1] if delta.dim() == 3 else 1,
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2,  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory
