@@ -66,8 +66,9 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
     outputs times their weights [T, K, H] unsummed, the router's ids [T, K], the ids computed, their
     weights). keep < top_k: a token keeps its first `keep` experts (weights renormalised over them
     where keep_normalize), its other slots point at its first expert with weight 0 (what OEA and
-    truncation do to a lone token), unless opt_out [T] (None: all False) says it keeps its top-K. h [T, H] the residual
-    stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are not needed."""
+    truncation do to a lone token), unless opt_out [T] (None: all False) says it keeps its top-K.
+    h [T, H] the residual stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are
+    not needed."""
     h, x, probs, router_ids, weights = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, top_k,
                                                                  normalize, eps)
     ids = router_ids
@@ -143,10 +144,10 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # input is y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the
     # plain gate/up kernel's (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a
     # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
-    # compute no slot: the first of them stores the
-    # routing, off the GEMM programs' path (one more multiprocessor, while the slots' 8 x I / BLOCK_N
-    # programs leave some idle at batch 1). KEEP < K: slots from KEEP on are dropped (no GEMM; the
-    # down GEMM skips them too), unless the token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr).
+    # compute no slot: the first of them stores the routing, off the GEMM programs' path (one more
+    # multiprocessor, while the slots' 8 x I / BLOCK_N programs leave some idle at batch 1).
+    # KEEP < K: slots from KEEP on are dropped (no GEMM; the down GEMM skips them too), unless the
+    # token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr).
     wait_for_inputs(PDL)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     if (slot == K) & (pid_n > 0):

@@ -34,7 +34,7 @@ from .routing import RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
-# A MoE layer is, at one decode token that keeps the router's top-K, five launches: q/k/v with its
+# A MoE layer is, at one decode token (routed as the policy routes a lone token), five launches: q/k/v with its
 # norms, RoPE and cache writes; the paged attention; the output projection with the residual add
 # and the router's logits folded in, the gate/up GEMM that takes the norm and the top-K itself, and
 # the down GEMM (`folded_moe`), which leaves the K slot outputs unsummed ([T, K, H]). The next
