@@ -40,7 +40,7 @@ from .dependent_launch import launch_options, wait_for_inputs
 from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
                         pick_config, store_silu_mul)
 from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
-from .layer_ops import inverse_rms
+from .layer_ops import inverse_rms, weighted
 from .router import add_norm_router_reference
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
@@ -101,7 +101,7 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
         o = gemv_rows(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K).to(r.dtype)
         h = (r.to(tl.float32) + o.to(tl.float32)).to(r.dtype)
         tl.store(h_out_ptr + n, h, mask=n < H)
-        tl.store(y_ptr + n, (g.to(tl.float32) * h.to(tl.float32)).to(r.dtype), mask=n < H)
+        tl.store(y_ptr + n, weighted(h, g), mask=n < H)
     else:
         e = (pid - out_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         raw = (gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K)

@@ -166,7 +166,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 @triton.jit
 def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr):
     """This program's tile: its expert (-1: unused tile), its slots, and which of them are real.
-    SLOT_TILES: tile g is slot g alone and tile_expert_ptr the routing ids themselves (no align)."""
+    SLOT_TILES: tile g is slot g alone and tile_expert_ptr the slots' experts (no align; -1: a slot
+    the routing dropped)."""
     g = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + g).to(tl.int64)
     if SLOT_TILES:

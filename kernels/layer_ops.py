@@ -71,6 +71,13 @@ def inverse_rms(row, N, eps):
 
 
 @triton.jit
+def weighted(row, w):
+    """w * row rounded to row's dtype: RMSNorm's output before its 1 / RMS, for the kernels that
+    apply that scale to their GEMV's sums instead (`folded_router.py`, `qkv_norm_rope.py`)."""
+    return (w.to(tl.float32) * row.to(tl.float32)).to(row.dtype)
+
+
+@triton.jit
 def scaled(row, inv, w):
     """RMSNorm's output from the row, its `inverse_rms` and the weight, rounded as the reference rounds."""
     return (w.to(tl.float32) * (row.to(tl.float32) * inv).to(row.dtype).to(tl.float32)).to(row.dtype)

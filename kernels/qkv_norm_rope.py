@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .dependent_launch import launch_options, wait_for_inputs
 from .layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache, qk_norm_rope_cache_reference,
-                        residual_sum)
+                        residual_sum, weighted)
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -84,7 +84,7 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
                 tl.store(h_out_ptr + k, res_part, mask=k < K)
             r32 = res_part.to(tl.float32)
             squares += r32 * r32
-            x_part = (tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32) * r32).to(res_part.dtype)
+            x_part = weighted(res_part, tl.load(norm_ptr + k, mask=k < K, other=0.0))
             xs = tl.where(rows[:, None] == 0, x_part.to(tl.float32)[None, :], 0.0).to(x_part.dtype)
         else:
             xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K),
