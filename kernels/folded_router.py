@@ -24,7 +24,10 @@ itself. So:
 A routing policy that leaves a lone token its first n experts (OEA: alone, a token's top-k0 is the
 whole union; truncation) is served too, in the same three launches: the slots from n on get weight
 0, no gate/up program, and expert -1 in the down GEMM's tiles, which stores their rows as zeros
-without reading an expert.
+without reading an expert. So is SERE: alone, a token's first K' experts are its batch's primary
+set, and each later slot may move to the most similar of them (`_sere_moves`, from the layer's
+similarity row and protection); a moved slot runs its primary's GEMMs again, at about the time the
+primary's own programs read those weights.
 
 The logits differ from the reference's by rounding only: the reference rounds W_o a, h and x to
 the model's dtype before the router's GEMM, the fold rounds its folded rows once. Both then round
@@ -42,6 +45,7 @@ from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers
 from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
 from .layer_ops import inverse_rms, weighted
 from .router import add_norm_router_reference
+from .sere_reroute import sere_reroute_reference
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -61,14 +65,17 @@ def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) 
 
 
 def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k: int, normalize: bool,
-                         keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float):
+                         keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float,
+                         similarity: torch.Tensor | None = None, protect: torch.Tensor | None = None,
+                         primary_k: int = 0, threshold: float = 0.0):
     """A decode token's MoE block after its attention, unfolded: (h + a W_o^T, the slots' expert
     outputs times their weights [T, K, H] unsummed, the router's ids [T, K], the ids computed, their
     weights). keep < top_k: a token keeps its first `keep` experts (weights renormalised over them
     where keep_normalize), its other slots point at its first expert with weight 0 (what OEA and
     truncation do to a lone token), unless opt_out [T] (None: all False) says it keeps its top-K.
-    h [T, H] the residual stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are
-    not needed."""
+    similarity ([E, E]) and protect ([E]): the slots from primary_k on re-routed as SERE re-routes
+    a batch of these tokens (`sere_reroute_reference`), the weights kept. h [T, H] the residual
+    stream, attn [T, heads * head_dim]; gate_r and gate_o (`fold_router`) are not needed."""
     h, x, probs, router_ids, weights = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, top_k,
                                                                  normalize, eps)
     ids = router_ids
@@ -79,6 +86,8 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
         kept_w = (p / p.sum(dim=1, keepdim=True) if keep_normalize else p).to(weights.dtype)
         ids = torch.where(live, router_ids, router_ids[:, :1])
         weights = torch.where(opt_out[:, None], weights, kept_w)
+    if similarity is not None:
+        ids = sere_reroute_reference(ids, similarity, protect, opt_out, primary_k, threshold)
     per_slot = [fused_experts_reference(x, ids[:, k:k + 1], weights[:, k:k + 1], gate_up, down) for k in range(top_k)]
     return h, torch.stack(per_slot, dim=1), router_ids, ids, weights
 
@@ -110,27 +119,52 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
 
 
 @triton.jit
-def _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K: tl.constexpr,
-                   K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
-    """The router's top-K ids by rank; the ids computed: the first `kept` of them, the other slots
-    pointing at the first expert with weight 0; weights the kept experts' probabilities, renormalised
-    over them where NORMALIZE; the down GEMM's tiles: the kept ids, -1 for a dropped slot."""
+def _top_k_ids(rank, e, K: tl.constexpr, K_PAD: tl.constexpr):
+    """(the router's top-K ids [K_PAD] by rank, which expert each slot holds [K_PAD, E_PAD])."""
     k = tl.arange(0, K_PAD)
-    chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)  # [K_PAD, E_PAD]
-    router_ids = tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64)
+    chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)
+    return tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64), chosen
+
+
+@triton.jit
+def _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K: tl.constexpr,
+                K_PAD: tl.constexpr, K1: tl.constexpr, HAS_OPT_OUT: tl.constexpr):
+    """A lone token's ids after SERE (`sere_reroute_reference` for a batch of one): its first K1
+    experts are the primary set; a later slot holding an unprotected e moves to the primary most
+    similar to e (the lowest id at a tie) where that similarity reaches the threshold, unless the
+    token opted out."""
+    k = tl.arange(0, K_PAD)
+    sim = tl.load(sim_ptr + router_ids[:, None] * E + e[None, :], mask=(k[:, None] < K) & (e[None, :] < E),
+                  other=float("-inf"))
+    sim = tl.where((rank < K1)[None, :], sim, float("-inf"))
+    protected = tl.load(protect_ptr + router_ids, mask=k < K, other=0).to(tl.int32)
+    move = (k >= K1) & (protected == 0) & (tl.max(sim, axis=1) >= threshold)
+    if HAS_OPT_OUT:
+        move = move & (tl.load(opt_out_ptr).to(tl.int32) == 0)
+    return tl.where(move, tl.argmax(sim, axis=1, tie_break_left=True).to(tl.int64), router_ids)
+
+
+@triton.jit
+def _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
+                   K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+    """The router's top-K ids; the ids computed: the first `kept` of `ids`, the other slots pointing
+    at the first expert with weight 0; weights the kept slots' probabilities, renormalised over them
+    where NORMALIZE; the down GEMM's tiles: the kept ids, -1 for a dropped slot."""
+    k = tl.arange(0, K_PAD)
     p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
     live = k < kept
     p_kept = tl.where(live, tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1), 0.0)
     total = tl.sum(p_kept, axis=0) if NORMALIZE else tl.sum(p, axis=0)
     tl.store(router_ids_ptr + k, router_ids, mask=k < K)
-    tl.store(ids_ptr + k, tl.where(live, router_ids, tl.sum(tl.where(k == 0, router_ids, 0))), mask=k < K)
+    tl.store(ids_ptr + k, tl.where(live, ids, tl.sum(tl.where(k == 0, router_ids, 0))), mask=k < K)
     tl.store(weights_ptr + k, (p_kept / total).to(weights_ptr.dtype.element_ty), mask=k < K)
-    tl.store(tiles_ptr + k, tl.where(live, router_ids, -1), mask=k < K)
+    tl.store(tiles_ptr + k, tl.where(live, ids, -1), mask=k < K)
 
 
 @triton.jit
 def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, router_ids_ptr, ids_ptr, weights_ptr,
-                           tiles_ptr, H, I, E, eps, K: tl.constexpr, KEEP: tl.constexpr, E_PAD: tl.constexpr,
+                           tiles_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps, K: tl.constexpr,
+                           KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr, E_PAD: tl.constexpr,
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -147,7 +181,9 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # compute no slot: the first of them stores the routing, off the GEMM programs' path (one more
     # multiprocessor, while the slots' 8 x I / BLOCK_N programs leave some idle at batch 1).
     # KEEP < K: slots from KEEP on are dropped (no GEMM; the down GEMM skips them too), unless the
-    # token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr).
+    # token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr). SERE: every slot kept, those from K1
+    # on moved as `_sere_moves` says (a moved slot reads its primary's weights again, at about the
+    # time the primary's programs read them).
     wait_for_inputs(PDL)
     slot, pid_n = tl.program_id(0), tl.program_id(1)
     if (slot == K) & (pid_n > 0):
@@ -166,14 +202,25 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     ahead = (theirs > mine) | ((theirs == mine) & (e[None, :] < e[:, None]))
     rank = tl.sum(ahead.to(tl.int32), axis=1)
     if slot == K:
+        router_ids, chosen = _top_k_ids(rank, e, K, K_PAD)
+        ids = router_ids
+        if SERE:
+            ids = _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
+                              HAS_OPT_OUT)
         if kept == K:
-            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD,
-                           ROUTER_NORMALIZE)
+            _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
+                           K, K_PAD, ROUTER_NORMALIZE)
         else:
-            _store_routing(rank, logit, e, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD,
-                           KEEP_NORMALIZE)
+            _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
+                           K, K_PAD, KEEP_NORMALIZE)
     else:
-        expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
+        if SERE:
+            router_ids, _ = _top_k_ids(rank, e, K, K_PAD)
+            ids = _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
+                              HAS_OPT_OUT)
+            expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
+        else:
+            expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
         m = tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols[None, :] < I
@@ -191,8 +238,9 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
 @torch.library.custom_op("zipmoe::folded_moe", mutates_args=())
 def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm: torch.Tensor, gate: torch.Tensor,
                gate_r: torch.Tensor, gate_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-               normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float,
+               similarity: torch.Tensor | None = None, protect: torch.Tensor | None = None, primary_k: int = 0,
+               threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`folded_moe_reference`'s contract for one token in three launches, the dropped slots' experts
     not read. gate, the unfolded router, is not read: gate_r and gate_o are its fold."""
     H, A = o_weight.shape
@@ -203,6 +251,13 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                          f"{tuple(attn.shape)}")
     if not 1 <= keep <= top_k:
         raise ValueError(f"folded_moe keeps 1 to top_k ({top_k}) experts, got {keep}")
+    sere = similarity is not None
+    if sere and (keep < top_k or not 1 <= primary_k < top_k or protect is None
+                 or similarity.shape != (E, E) or similarity.dtype != torch.float32 or protect.shape != (E,)):
+        raise ValueError(f"folded_moe re-routes as SERE with all {top_k} slots kept, 1 <= primary_k < {top_k}, "
+                         f"similarity [{E}, {E}] float32 and protect [{E}]; got keep {keep}, primary_k {primary_k}, "
+                         f"similarity {tuple(similarity.shape)} {similarity.dtype}, protect "
+                         f"{None if protect is None else tuple(protect.shape)}")
     h, attn = h.contiguous(), attn.contiguous()
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
@@ -216,16 +271,17 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
     _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, cfg.block_n))](
         h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
-        H, I, E, eps, K=top_k, KEEP=keep, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
-        H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize, KEEP_NORMALIZE=keep_normalize,
-        HAS_OPT_OUT=opt_out is not None, **launch_options_moe(cfg, h))
-    # Each slot a tile: the kept experts are distinct (the router's top-K).
+        similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
+        H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
+        K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
+        KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, **launch_options_moe(cfg, h))
+    # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
     per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
 
 
 @folded_moe.register_fake
 def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, keep, keep_normalize, opt_out,
-      eps):
+      eps, similarity=None, protect=None, primary_k=0, threshold=0.0):
     ids = h.new_empty(1, top_k, dtype=torch.int64)
     return torch.empty_like(h), h.new_empty(1, top_k, h.shape[1]), ids, torch.empty_like(ids), h.new_empty(1, top_k)

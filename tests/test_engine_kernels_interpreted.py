@@ -8,11 +8,11 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from zipmoe.engine import model
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.routing import OeaPolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
@@ -20,11 +20,12 @@ from zipmoe.vision import VisionEncoder
 from test_vision_reference import SIZES, visual_request
 
 
-def serve(checkpoint, requests, kernels: bool, folded: list | None = None, policy=None):
-    """(each request's tokens, preemptions); folded: gets a None for each `folded_moe` call."""
+def serve(checkpoint, requests, kernels: bool, folded: list | None = None, **routing):
+    """(each request's tokens, preemptions); folded: gets a None for each `folded_moe` call; routing:
+    EngineConfig's routing settings."""
     eng = LLMEngine(checkpoint, EngineConfig(device="cpu", dtype="float32", num_kv_blocks=18, block_size=4,
-                                             max_model_len=72, max_num_batched_tokens=48, max_num_seqs=4),
-                    policy=policy)
+                                             max_model_len=72, max_num_batched_tokens=48, max_num_seqs=4,
+                                             **routing))
     if kernels:
         def counted(*args):
             folded.append(None)
@@ -49,11 +50,15 @@ def test_kernels_give_the_reference_tokens_on_a_mixed_image_load(tiny_checkpoint
     assert folded  # steps with one decode token took the folded router
 
 
-def test_a_lone_token_under_oea_takes_the_folded_router(tiny_checkpoint):
-    """OEA leaves a lone decode token its top-k0 (`RoutingPolicy.one_token_route`): with the kernels
-    that is `folded_moe` keeping 2 experts, and the tokens are the reference's (the router, then OEA)."""
+@pytest.mark.parametrize("routing", [dict(routing_policy="oea", oea_k0=2), dict(routing_policy="truncate"),
+                                     dict(routing_policy="sere", sere_threshold=0.0)], ids=["oea", "truncate", "sere"])
+def test_a_lone_token_under_a_policy_takes_the_folded_router(tiny_checkpoint, routing):
+    """OEA and truncation leave a lone decode token its first 2 experts, SERE moves its later ones to
+    its first 2 (`RoutingPolicy.one_token_route`; SERE with the checkpoint's tables, every unprotected
+    slot moving): with the kernels that is `folded_moe`, and the tokens are the reference's (the
+    router, then the policy)."""
     requests = [(list(range(3, 11)), None)]
-    reference, _ = serve(tiny_checkpoint, requests, kernels=False, policy=OeaPolicy(2))
+    reference, _ = serve(tiny_checkpoint, requests, kernels=False, **routing)
     folded = []
-    assert serve(tiny_checkpoint, requests, kernels=True, folded=folded, policy=OeaPolicy(2))[0] == reference
+    assert serve(tiny_checkpoint, requests, kernels=True, folded=folded, **routing)[0] == reference
     assert folded

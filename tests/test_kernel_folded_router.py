@@ -1,7 +1,8 @@
 """One token's MoE block with the router folded into the output projection (`folded_moe`, three
 launches) against its unfolded reference (CPU: Triton's interpreter, float32; GPU: bf16 at the
-30B shape, and in a CUDA graph), keeping the top-K or, as OEA and truncation leave a lone token,
-its first experts; and the reference against those policies."""
+30B shape, and in a CUDA graph), keeping the top-K, or, as OEA and truncation leave a lone token,
+its first experts, or re-routing its later slots as SERE does; and the reference against those
+policies."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
-from zipmoe.engine.routing import OeaPolicy, TruncatePolicy
+from zipmoe.engine.routing import OeaPolicy, SerePolicy, TruncatePolicy
 from zipmoe.kernels import folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
@@ -81,17 +82,44 @@ def test_folded_moe_keeps_the_first_experts(device, keep, keep_normalize, opt_ou
     assert (got[3][:, dropped] == got[2][:, :1]).all()
 
 
+def _sere_tables(E: int, seed: int = 0):
+    """A similarity table [E, E] in [0, 1) and a protection mask [E] (about a quarter protected)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(E, E, generator=g), torch.rand(E, generator=g) < 0.25
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("primary_k", [1, 2])
+@pytest.mark.parametrize("opt_out", [None, False, True])
+def test_folded_moe_reroutes_as_sere(device, primary_k, opt_out):
+    """A lone token's later slots moved to its most similar primary (protected experts and slots
+    under the threshold stay; a token that opted out keeps its top-K), the weights kept; a moved
+    slot computes its primary's expert again."""
+    args = _block(device, 64, 128, 16, 32, seed=3)
+    similarity, protect = (t.to(device) for t in _sere_tables(16))
+    flag = None if opt_out is None else torch.tensor([opt_out], device=device)
+    sere = (similarity, protect, primary_k, 0.5)
+    want = folded_moe_reference(*args, 8, True, 8, True, flag, 1e-6, *sere)
+    assert (want[3] != want[2]).any() != bool(opt_out)  # the case moves some slot, unless opted out
+    for _ in range(2):
+        _assert_matches(folded_moe(*args, 8, True, 8, True, flag, 1e-6, *sere), want, device, args)
+
+
 @pytest.mark.parametrize("policy", [OeaPolicy(2, normalize=True), OeaPolicy(3, normalize=False),
-                                    TruncatePolicy(2, normalize=True)], ids=["oea", "oea-raw", "truncate"])
+                                    TruncatePolicy(2, normalize=True),
+                                    SerePolicy(*(t[None] for t in _sere_tables(16)), {0: 0}, primary_k=2)],
+                         ids=["oea", "oea-raw", "truncate", "sere"])
 @pytest.mark.parametrize("opt_out", [False, True])
 def test_reference_routes_a_lone_token_as_the_policy(policy, opt_out):
     """`one_token_route` says what the policy does to one token: the reference given it routes as the
     policy's own `route` after the router."""
     args = _block("cpu", 64, 128, 16, 32)
     h, attn, o_weight, norm, gate = args[:5]
-    keep, keep_normalize = policy.one_token_route(4, True)
+    route = policy.one_token_route(0, 4, True)
     flag = torch.tensor([opt_out])
-    _, _, router_ids, ids, weights = folded_moe_reference(*args, 4, True, keep, keep_normalize, flag, 1e-6)
+    _, _, router_ids, ids, weights = folded_moe_reference(*args, 4, True, route.keep, route.normalize, flag, 1e-6,
+                                                          route.similarity, route.protect, route.primary_k,
+                                                          route.threshold)
     _, _, probs, top_ids, top_w = add_norm_router_reference(h, F.linear(attn, o_weight), norm, gate, 4, True, 1e-6)
     want_ids, want_w = policy.route(0, probs, top_ids, top_w, flag)
     assert torch.equal(router_ids, top_ids) and torch.equal(ids, want_ids)
@@ -112,6 +140,9 @@ def test_folded_moe_op_schema_and_fake():
     for keep, opt_out in ((4, None), (2, torch.tensor([False]))):
         torch.library.opcheck(torch.ops.zipmoe.folded_moe.default, args + (4, True, keep, True, opt_out, 1e-6),
                               test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.zipmoe.folded_moe.default,
+                          args + (4, True, 4, True, None, 1e-6) + _sere_tables(16) + (2, 0.5),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_folded_moe_refuses_more_than_one_token():
@@ -120,6 +151,11 @@ def test_folded_moe_refuses_more_than_one_token():
         folded_moe(h.repeat(2, 1), attn.repeat(2, 1), *rest, 4, True, 4, True, None, 1e-6)
     with pytest.raises(ValueError, match="keeps 1 to top_k"):
         folded_moe(h, attn, *rest, 4, True, 5, True, None, 1e-6)
+    similarity, protect = _sere_tables(16)
+    for keep, primary_k, sim in ((2, 2, similarity), (4, 4, similarity), (4, 2, similarity[:8]),
+                                 (4, 2, similarity.double())):
+        with pytest.raises(ValueError, match="re-routes as SERE"):
+            folded_moe(h, attn, *rest, 4, True, keep, True, None, 1e-6, sim, protect, primary_k, 0.5)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from ..kernels.paged_attention import paged_decode_attention, paged_decode_atten
 from ..kernels.qkv_norm_rope import (add_norm_qkv, add_norm_qkv_reference, qkv_norm_rope_cache,
                                      qkv_norm_rope_cache_reference)
 from ..kernels.router import add_norm_router, add_norm_router_reference
-from .routing import RoutingPolicy
+from .routing import OneTokenRoute, RoutingPolicy
 from .rope import MRope
 
 # The same steps as Triton launches (CUDA) or as their PyTorch references (CPU, and the tests).
@@ -204,12 +204,13 @@ class Qwen3VLMoeTextDecoder:
         """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or (h, None)
         after the last layer. inject(h) -> h: the layer's DeepStack features added (the first layers)."""
         ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps
-        folded = self._folded_route(layer, step, attn.shape[0])
-        if folded is not None:
-            keep, keep_normalize = folded
+        route = self._folded_route(layer, step, attn.shape[0])
+        if route is not None:
+            rerouted = route.keep < cfg.top_k or route.similarity is not None
             h, out, router_ids, ids, _ = ops.folded_moe(
                 h, attn, layer.o, layer.post_norm, layer.gate, layer.gate_r, layer.gate_o, layer.gate_up, layer.down,
-                cfg.top_k, cfg.norm_topk_prob, keep, keep_normalize, step.opt_out if keep < cfg.top_k else None, eps)
+                cfg.top_k, cfg.norm_topk_prob, route.keep, route.normalize, step.opt_out if rerouted else None, eps,
+                route.similarity, route.protect, route.primary_k, route.threshold)
             routing.append((router_ids, ids))
         elif layer.is_moe:
             o = ops.linear(attn, layer.o)
@@ -228,17 +229,16 @@ class Qwen3VLMoeTextDecoder:
             return h, None
         return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
 
-    def _folded_route(self, layer: Layer, step: StepInputs, T: int) -> tuple[int, bool] | None:
+    def _folded_route(self, layer: Layer, step: StepInputs, T: int) -> OneTokenRoute | None:
         """A MoE layer's decode step of one token takes `ops.folded_moe` (where the ops have one, no
-        calibration hook reads the experts' input, all experts are here): (experts the token keeps of
-        its top-K, whether their weights are renormalised over them), as the routing policy routes a
-        lone token (`RoutingPolicy.one_token_route`); None: the router, then the policy's `route`."""
+        calibration hook reads the experts' input, all experts are here), routed as the policy routes
+        a lone token (`RoutingPolicy.one_token_route`); None: the router, then the policy's `route`."""
         if (self.ops.folded_moe is None or not layer.is_moe or layer.gate_r is None or T != 1 or step.is_prefill
                 or self.moe_input_hook is not None):
             return None
         if T < self.routing_min_batch:  # plain top-K at this batch
-            return self.cfg.top_k, self.cfg.norm_topk_prob
-        return self.policy.one_token_route(self.cfg.top_k, self.cfg.norm_topk_prob)
+            return OneTokenRoute(self.cfg.top_k, self.cfg.norm_topk_prob)
+        return self.policy.one_token_route(layer.idx, self.cfg.top_k, self.cfg.norm_topk_prob)
 
     def logits(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), vocab] of the final hidden states' chosen rows."""

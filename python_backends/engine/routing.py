@@ -19,6 +19,8 @@ Tokens of requests that opted out keep their top-K (they still contribute primar
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels.oea_reroute import oea_reroute, oea_reroute_reference
@@ -84,6 +86,21 @@ def _union_sizes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return seen.scatter_(1, ids.reshape(L, -1), True).sum()
 
 
+@dataclass(frozen=True)
+class OneTokenRoute:
+    """How a policy routes a decode step's lone token inside the expert kernels
+    (`kernels/folded_router.py`): it keeps the first `keep` experts of its top-K, the other slots at
+    its first expert with weight 0 (weights renormalised over the kept where `normalize`); with
+    `similarity`, it keeps all K and moves its slots from `primary_k` on as SERE does, to the most
+    similar of its first `primary_k` experts (a token alone is its batch's primary set)."""
+    keep: int
+    normalize: bool
+    similarity: torch.Tensor | None = None  # the layer's [E, E] float32
+    protect: torch.Tensor | None = None  # the layer's [E] bool
+    primary_k: int = 0
+    threshold: float = 0.0
+
+
 class RoutingPolicy:
     name = "topk"
     # Whether each token's result depends on that token alone (truncate). Such a policy also acts on the
@@ -91,12 +108,11 @@ class RoutingPolicy:
     # depends on what shares its step (issue 18's harness reads truncation's cost from every token).
     per_token = False
 
-    def one_token_route(self, top_k: int, normalize: bool) -> tuple[int, bool] | None:
-        """What the policy does to a decode step of one token, where it is to keep the first n of the
-        router's top-K (the other slots at the first expert, weight 0): (n, whether the kept weights
-        are renormalised over them). model.py then routes inside the expert kernels
-        (`kernels/folded_router.py`). None: it does something else (the router, then `route`)."""
-        return top_k, normalize
+    def one_token_route(self, layer: int, top_k: int, normalize: bool) -> OneTokenRoute | None:
+        """What the policy does to decode layer `layer`'s lone token, where the expert kernels can do
+        it (`OneTokenRoute`); model.py then routes there. None: it does something else (the router,
+        then `route`)."""
+        return OneTokenRoute(top_k, normalize)
 
     def route(self, layer: int, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               opt_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +131,12 @@ class SerePolicy(RoutingPolicy):
         self.primary_k = primary_k
         self.threshold = threshold
 
-    def one_token_route(self, top_k, normalize):
-        return (top_k, normalize) if self.primary_k >= top_k else None
+    def one_token_route(self, layer, top_k, normalize):
+        if self.primary_k >= top_k:
+            return OneTokenRoute(top_k, normalize)
+        row = self.layer_rows[layer]
+        return OneTokenRoute(top_k, normalize, self.similarity[row], self.protect[row], self.primary_k,
+                             self.threshold)
 
     def route(self, layer, probs, ids, weights, opt_out):
         if self.primary_k >= ids.shape[1]:
@@ -134,9 +154,9 @@ class OeaPolicy(RoutingPolicy):
         self.k0 = k0
         self.normalize = normalize
 
-    def one_token_route(self, top_k, normalize):
+    def one_token_route(self, layer, top_k, normalize):
         # Alone, a token's top-k0 is the whole union: its other slots find no candidate.
-        return (top_k, normalize) if self.k0 >= top_k else (self.k0, self.normalize)
+        return OneTokenRoute(top_k, normalize) if self.k0 >= top_k else OneTokenRoute(self.k0, self.normalize)
 
     def route(self, layer, probs, ids, weights, opt_out):
         if self.k0 >= ids.shape[1]:
@@ -156,12 +176,14 @@ class TruncatePolicy(RoutingPolicy):
         self.k = k
         self.normalize = normalize
 
-    def one_token_route(self, top_k, normalize):
+    def one_token_route(self, layer, top_k, normalize):
         if self.k >= top_k:
-            return top_k, normalize
+            return OneTokenRoute(top_k, normalize)
         # The kept slots keep the router's weights, renormalised over them or not: the latter are the
         # probabilities themselves only where the router does not renormalise over its top-K.
-        return (self.k, True) if self.normalize else ((self.k, False) if not normalize else None)
+        if self.normalize or not normalize:
+            return OneTokenRoute(self.k, self.normalize)
+        return None
 
     def route(self, layer, probs, ids, weights, opt_out):
         if self.k >= ids.shape[1]:
