@@ -18,7 +18,8 @@ drift shows): "step_variant" rows, policy the variant's name, graph replay and p
 The variants: the router apart from the output projection (`folded_moe` off: the output
 projection, the router with the norm, and the experts as four launches); the expert GEMMs' default
 tile shape where the device has a tuned one (`fused_moe.pick_config`); the q/k/v launch's norm
-apart (two launches); the attention's keys a tile; and the whole step without PDL. (Session 32 also
+apart (two launches); the attention's keys a tile; the whole step without PDL; and SERE and OEA
+(`bench_kernels`' policies) with the router folded and apart. (Session 32 also
 timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of the input width:
 docs/PERFORMANCE.md.)
 """
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from zipmoe.engine import model
-from zipmoe.engine.routing import RoutingPolicy
+from zipmoe.engine.routing import OeaPolicy, RoutingPolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import dependent_launch, fused_moe, paged_attention, qkv_norm_rope
 from zipmoe.kernels.gemv import gemv
@@ -36,7 +37,8 @@ from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
 from zipmoe.kernels.router import fused_add_norm_router, fused_router
 
-from .bench_kernels import CFG, _activation, layer_weights, per_layer_rows, pipelined_step_us, print_row, row
+from .bench_kernels import (CFG, _activation, layer_weights, per_layer_rows, pipelined_step_us, print_row,
+                            random_sere, row)
 from .timing import cuda_time_us
 
 
@@ -77,30 +79,36 @@ def _keys_a_tile(keys: int):
     return lambda head_dim, block_size: (max(block_size, keys),) + committed(head_dim, block_size)[1:]
 
 
-def _variants() -> list[tuple[str, list, bool]]:
-    """(name, [(object, attribute, value)] patched while its graphs are captured, PDL)."""
+def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
+    """(name, [(object, attribute, value)] patched while its graphs are captured, PDL, policy)."""
+    topk, sere, oea = RoutingPolicy(), random_sere(torch.device("cuda")), OeaPolicy(2)
+    apart = [(model.KERNELS, "folded_moe", None)]
     return [
-        ("as committed", [], True),
-        ("router apart (not folded)", [(model.KERNELS, "folded_moe", None)], True),
-        ("expert tiles untuned (default shape)", [(fused_moe, "_tuned", lambda key: {})], True),
-        ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True),
-        ("attention 64 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(64))], True),
-        ("no PDL", [], False),
-        ("as committed", [], True),
+        ("as committed", [], True, topk),
+        ("router apart (not folded)", apart, True, topk),
+        ("expert tiles untuned (default shape)", [(fused_moe, "_tuned", lambda key: {})], True, topk),
+        ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True, topk),
+        ("attention 64 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(64))], True, topk),
+        ("no PDL", [], False, topk),
+        ("sere K'=2 rho=0, folded", [], True, sere),
+        ("sere K'=2 rho=0, router apart", apart, True, sere),
+        ("oea k0=2, folded", [], True, oea),
+        ("oea k0=2, router apart", apart, True, oea),
+        ("as committed", [], True, topk),
     ]
 
 
 def bench_step_variants(engine, steps: int = 40) -> list[dict]:
-    """The batch-1 step (topk) under each of `_variants`, graph replay and pipelined."""
+    """The batch-1 step under each of `_variants`, graph replay and pipelined."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    for name, patches, pdl in _variants():
+    for name, patches, pdl, policy in _variants():
         saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
         try:
             for obj, attr, value in patches:
                 setattr(obj, attr, value)
             with dependent_launch.enabled_as(pdl):
-                engine.set_routing_policy(RoutingPolicy())  # captures the graphs with the variant
+                engine.set_routing_policy(policy)  # captures the graphs with the variant
         finally:
             for obj, attr, value in saved:
                 setattr(obj, attr, value)
