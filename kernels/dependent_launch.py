@@ -13,9 +13,20 @@ gate/up programs, with `prefetch.global.L2`; the batch-1 step 7 % slower, each a
 launches that asked took longer than the ones that found their weights in L2 gained; not kept.)
 
 The rule every kernel here keeps: it calls `wait_for_inputs` before it reads or writes memory,
-in every program, so waiting on the kernel just before is waiting on all of them. A launch without the flag (cuBLAS, PyTorch's
-own kernels) is ordered as usual, and a kernel with it that follows one simply starts when that
-one ends.
+in every program, so waiting on the kernel just before is waiting on all of them. A launch
+without the flag (cuBLAS, PyTorch's own kernels) is ordered as usual, and a kernel with it that
+follows one simply starts when that one ends.
+
+One exception: memory no kernel writes, a layer's weights. The q/k/v launch and the folded output
+projection (`qkv_norm_rope`, `folded_router`) load `load_ahead` of each program's weight (half)
+before their wait, while the launch before (the experts' down GEMM, the attention) still runs,
+and the rest after it. The batch-1 step on an H100, one run (session 37, graph replay): 3,269 /
+3,273 us against 3,375 with none ahead and 3,628 with all (registers and bandwidth taken from the
+launch before for the whole of its run). The gate/up and down GEMMs cannot: their expert is known
+only after the wait. Also measured, not kept: letting the next launch go after a kernel's main
+loop instead of at its start (the attention's, the down GEMM's), so that those loads overlap only
+its tail: 3,378 / 3,390 us with half ahead, against 3,280 us letting it go at the start (another
+run, `docs/results/pdl_late_trigger_one_token_h100.json`).
 
 `launch_options(device)` gives a Triton launch its two keywords: the kernel's `PDL` constexpr
 and Triton's `launch_pdl`. Off without CUDA (the interpreter), before compute capability 9.0, and
@@ -34,6 +45,9 @@ import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU
 import triton.language as tl
 
 _enabled = os.environ.get("ZIPMOE_PDL", "1") != "0"
+# The share of its weight a program of the q/k/v and output-projection launches loads ahead of its
+# wait (`ahead_width`); the benchmarks set others (bench_one_token).
+load_ahead = 0.5
 
 
 @contextlib.contextmanager
@@ -57,6 +71,13 @@ def _supported(device: torch.device) -> bool:  # cached: an eager prefill step l
 def launch_options(device: torch.device) -> dict:
     """The keywords a kernel launch adds: `PDL` (the kernel's constexpr) and `launch_pdl`."""
     return {"PDL": True, "launch_pdl": True} if _enabled and _supported(torch.device(device)) else {"PDL": False}
+
+
+def ahead_width(width: int, step: int) -> int:
+    """Columns of a program's weight, `width` wide and read `step` columns at a time, to load ahead
+    of its wait: `load_ahead` of them in a power of two of whole steps (0: none)."""
+    steps = int(width * load_ahead) // step
+    return step << (steps.bit_length() - 1) if steps else 0
 
 
 @triton.jit

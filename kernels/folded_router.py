@@ -39,10 +39,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dependent_launch import launch_options, wait_for_inputs
+from .dependent_launch import ahead_width, launch_options, wait_for_inputs
 from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
                         pick_config, store_silu_mul)
-from .gemv import GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_rows
+from .gemv import (GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
+                   gemv_rows_from)
 from .layer_ops import inverse_rms, weighted
 from .router import add_norm_router_reference
 from .sere_reroute import sere_reroute_reference
@@ -95,27 +96,41 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 @triton.jit
 def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr, logits_ptr,
                             H, E, A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PDL: tl.constexpr):
+                            AHEAD: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
     # add round, and of y = g * h, the experts' input before the norm's 1 / RMS (a scalar the gate/up
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
     # float32.
-    wait_for_inputs(PDL)
+    # The first AHEAD columns of the rows over a (W_o's, W_r g W_o's) are loaded ahead of the wait
+    # (`dependent_launch.ahead_width`): no kernel writes them.
     pid = tl.program_id(0)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        o = _rows_times_attention(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K, AHEAD, PDL)
         r = tl.load(res_ptr + n, mask=n < H, other=0.0)
         g = tl.load(norm_ptr + n, mask=n < H, other=0.0)
-        o = gemv_rows(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K).to(r.dtype)
-        h = (r.to(tl.float32) + o.to(tl.float32)).to(r.dtype)
+        h = (r.to(tl.float32) + o.to(r.dtype).to(tl.float32)).to(r.dtype)
         tl.store(h_out_ptr + n, h, mask=n < H)
         tl.store(y_ptr + n, weighted(h, g), mask=n < H)
     else:
         e = (pid - out_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-        raw = (gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K)
-               + gemv_rows(attn_ptr, gate_o_ptr, e, E, A, BLOCK_N, BLOCK_K))
-        tl.store(logits_ptr + e, raw, mask=e < E)
+        o = _rows_times_attention(attn_ptr, gate_o_ptr, e, E, A, BLOCK_N, BLOCK_K, AHEAD, PDL)
+        tl.store(logits_ptr + e, gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K) + o, mask=e < E)
+
+
+@triton.jit
+def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          AHEAD: tl.constexpr, PDL: tl.constexpr):
+    """gemv_rows(a, w) of rows n, waiting for a after loading w's first AHEAD columns."""
+    if AHEAD:
+        w = gemv_first_columns(w_ptr, n, N, A, AHEAD)
+        wait_for_inputs(PDL)
+        acc = gemv_first_sums(w, attn_ptr, BLOCK_N, BLOCK_K, AHEAD)
+    else:
+        wait_for_inputs(PDL)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return gemv_rows_from(attn_ptr, w_ptr, n, N, A, BLOCK_N, BLOCK_K, acc, AHEAD)
 
 
 @triton.jit
@@ -261,10 +276,10 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     h, attn = h.contiguous(), attn.contiguous()
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
+    block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     _out_proj_logits_kernel[(triton.cdiv(H, GEMV_BLOCK_N) + triton.cdiv(E, GEMV_BLOCK_N),)](
         attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
-        BLOCK_K=min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H))), num_warps=GEMV_WARPS,
-        **launch_options(h.device))
+        BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), num_warps=GEMV_WARPS, **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)

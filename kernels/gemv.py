@@ -38,10 +38,33 @@ def gemv_rows(x_ptr, w_ptr, n, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
     """float32 sums [BLOCK_N] of rows n of w [N, K] times x [K]. The loop over the width is unrolled
     (K is a compile-time constant), so every load of the weight is in flight at once. Also the
     output projection and the folded router rows of `folded_router.py`."""
+    return gemv_rows_from(x_ptr, w_ptr, n, N, K, BLOCK_N, BLOCK_K, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), 0)
+
+
+@triton.jit
+def gemv_first_columns(w_ptr, n, N, K: tl.constexpr, WIDTH: tl.constexpr):
+    """Rows n of w [N, K], their first WIDTH columns (a power of two of BLOCK_K, at most K): the
+    part of `gemv_rows_from`'s weight a kernel loads ahead of its wait (`dependent_launch`)."""
+    k = tl.arange(0, WIDTH)
+    return tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def gemv_first_sums(w, x_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] float32 sums of `gemv_first_columns`' w times x[:WIDTH], the
+    accumulator `gemv_rows_from` goes on from."""
+    x = tl.load(x_ptr + tl.arange(0, WIDTH)).to(tl.float32)
+    return tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, WIDTH // BLOCK_K, BLOCK_K]), axis=1)
+
+
+@triton.jit
+def gemv_rows_from(x_ptr, w_ptr, n, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, acc,
+                   START: tl.constexpr):
+    """`gemv_rows` from column START on, acc [BLOCK_N, BLOCK_K] holding the columns before."""
     ks = tl.arange(0, BLOCK_K)
     rows = w_ptr + n[:, None].to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
+    for k0 in tl.static_range(START, K, BLOCK_K):
         k = k0 + ks
         w = tl.load(rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, SerePolicy, TruncatePolicy
-from zipmoe.kernels import folded_router
+from zipmoe.kernels import dependent_launch, folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
 
@@ -64,6 +64,15 @@ def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
     want = folded_moe_reference(*args, K, normalize, K, normalize, None, 1e-6)
     for _ in range(2):
         _assert_matches(folded_moe(*args, K, normalize, K, normalize, None, 1e-6), want, device, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("load_ahead", [0.0, 1.0])
+def test_folded_moe_loads_any_share_of_its_rows_ahead(device, load_ahead, monkeypatch):
+    """None of the output projection's and router's rows over a loaded ahead of the wait, or all of
+    them (two steps of the loop); half, the committed share, is every other test's."""
+    monkeypatch.setattr(dependent_launch, "load_ahead", load_ahead)
+    test_folded_moe_matches_reference(device, 64, 128, 16, 32, 4, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

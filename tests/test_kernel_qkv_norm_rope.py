@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from zipmoe.engine.rope import MRope
+from zipmoe.kernels import dependent_launch
 from zipmoe.kernels.qkv_norm_rope import (QKV_BLOCK_T, QKV_MAX_T, add_norm_qkv, add_norm_qkv_reference,
                                          fused_add_norm_qkv, fused_qkv_norm_rope_cache, qkv_norm_rope_cache,
                                          qkv_norm_rope_cache_reference)
@@ -45,6 +46,16 @@ def _check(device, T, hidden, hq, hkv, d, impl=fused_qkv_norm_rope_cache, runs=2
 def test_fused_qkv_norm_rope_cache_matches_reference(device, T, hidden, hq, hkv, d):
     """One token, an input width split 8 ways unevenly (splits left empty), a full token tile."""
     _check(device, T, hidden, hq, hkv, d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("load_ahead", [0.0, 1.0])
+def test_qkv_weights_loaded_ahead_of_the_wait_in_any_share(device, load_ahead, monkeypatch):
+    """None of a split's weights loaded ahead of the wait, or all of them in its first step (the
+    committed share, half, is every other test's)."""
+    monkeypatch.setattr(dependent_launch, "load_ahead", load_ahead)
+    _check(device, 5, 1100, 4, 2, 16)
+    test_add_norm_qkv_matches_reference(device, 1, 1100, 4, 2, 16, 8, fused_add_norm_qkv)
 
 
 @pytest.mark.parametrize("device", DEVICES)

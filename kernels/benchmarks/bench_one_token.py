@@ -90,6 +90,8 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
         ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True, topk),
         ("attention 64 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(64))], True, topk),
         ("no PDL", [], False, topk),
+        ("no weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 0.0)], True, topk),
+        ("all weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 1.0)], True, topk),
         ("sere K'=2 rho=0, folded", [], True, sere),
         ("sere K'=2 rho=0, router apart", apart, True, sere),
         ("oea k0=2, folded", [], True, oea),
