@@ -18,8 +18,10 @@ drift shows): "step_variant" rows, policy the variant's name, graph replay and p
 The variants: the router apart from the output projection (`folded_moe` off: the output
 projection, the router with the norm, and the experts as four launches); the expert GEMMs' default
 tile shape where the device has a tuned one (`fused_moe.pick_config`); the q/k/v launch's norm
-apart (two launches); the attention's keys a tile; the whole step without PDL; and SERE and OEA
-(`bench_kernels`' policies) with the router folded and apart. (Session 32 also
+apart (two launches); the attention's keys a tile; the whole step without PDL; none and all of
+the q/k/v and output projection programs' weights loaded ahead of their wait (half is committed,
+`dependent_launch.load_ahead`); and SERE and OEA (`bench_kernels`' policies) with the router
+folded and apart. (Session 32 also
 timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of the input width:
 docs/PERFORMANCE.md.)
 """
