@@ -75,8 +75,8 @@ def launch_options(device: torch.device) -> dict:
 
 def ahead_width(width: int, step: int) -> int:
     """Columns of a program's weight, `width` wide and read `step` columns at a time, to load ahead
-    of its wait: `load_ahead` of them in a power of two of whole steps (0: none)."""
-    steps = int(width * load_ahead) // step
+    of its wait: `load_ahead` (0 to 1) of them in a power of two of whole steps (0: none)."""
+    steps = int(width * min(max(load_ahead, 0.0), 1.0)) // step
     return step << (steps.bit_length() - 1) if steps else 0
 
 
