@@ -67,7 +67,13 @@ def residual_sum(h_ptr, delta_ptr, cols, mask, N, SLOTS: tl.constexpr):
 def inverse_rms(row, N, eps):
     """1 / RMS of a whole row (float32 statistics, padding lanes zero)."""
     r32 = row.to(tl.float32)
-    return tl.rsqrt(tl.sum(r32 * r32, axis=0) / N + eps)
+    return inverse_rms_of_squares(tl.sum(r32 * r32, axis=0), N, eps)
+
+
+@triton.jit
+def inverse_rms_of_squares(squares, N, eps):
+    """1 / RMS of a row of N from its float32 sum of squares (also summed from parts, `qkv_norm_rope.py`)."""
+    return tl.rsqrt(squares / N + eps)
 
 
 @triton.jit

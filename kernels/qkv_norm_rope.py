@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
-from .layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache, qk_norm_rope_cache_reference,
-                        residual_sum, weighted)
+from .layer_ops import (add_rms_norm, add_rms_norm_reference, inverse_rms_of_squares, qk_norm_rope_cache,
+                        qk_norm_rope_cache_reference, residual_sum, weighted)
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -122,7 +122,7 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
             s = tl.arange(0, MAX_SPLIT)
             total = tl.sum(tl.load(squares_ptr + head * MAX_SPLIT + s, mask=s < split_count, other=0.0,
                                    cache_modifier=".cg"), axis=0)
-            x32 = x32 * tl.rsqrt(total / K + eps)
+            x32 = x32 * inverse_rms_of_squares(total, K, eps)
         dtype = q_out_ptr.dtype.element_ty
         x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
         slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
