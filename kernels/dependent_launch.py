@@ -22,8 +22,11 @@ projection (`qkv_norm_rope`, `folded_router`) load `load_ahead` of each program'
 before their wait, while the launch before (the experts' down GEMM, the attention) still runs,
 and the rest after it. The batch-1 step on an H100, one run (session 37, graph replay): 3,269 /
 3,273 us against 3,375 with none ahead and 3,628 with all (registers and bandwidth taken from the
-launch before for the whole of its run). The gate/up and down GEMMs cannot: their expert is known
-only after the wait. Also measured, not kept: letting the next launch go after a kernel's main
+launch before for the whole of its run). The gate/up GEMM cannot: its experts are known only
+after the wait. The down GEMM of `folded_moe` learns its experts before its wait, from a flag the
+gate/up launch's routing program raises once it has stored them, and loads its share ahead too
+(`fused_moe.down_per_slot`'s ready; the flag will rise, as PDL launches the down GEMM only once
+every program of the gate/up launch has started). Also measured, not kept: letting the next launch go after a kernel's main
 loop instead of at its start (the attention's, the down GEMM's), so that those loads overlap only
 its tail: 3,378 / 3,390 us with half ahead, against 3,280 us letting it go at the start (another
 run, `docs/results/pdl_late_trigger_one_token_h100.json`).

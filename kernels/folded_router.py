@@ -94,9 +94,9 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 
 
 @triton.jit
-def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr, logits_ptr,
-                            H, E, A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            AHEAD: tl.constexpr, PDL: tl.constexpr):
+def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr,
+                            logits_ptr, ready_ptr, H, E, A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
     # add round, and of y = g * h, the experts' input before the norm's 1 / RMS (a scalar the gate/up
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
@@ -108,6 +108,8 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         o = _rows_times_attention(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K, AHEAD, PDL)
+        if pid == 0:  # lowered before the gate/up launch's routing program can raise it
+            tl.store(ready_ptr, 0)
         r = tl.load(res_ptr + n, mask=n < H, other=0.0)
         g = tl.load(norm_ptr + n, mask=n < H, other=0.0)
         h = (r.to(tl.float32) + o.to(r.dtype).to(tl.float32)).to(r.dtype)
@@ -178,7 +180,7 @@ def _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr
 
 @triton.jit
 def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, router_ids_ptr, ids_ptr, weights_ptr,
-                           tiles_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps, K: tl.constexpr,
+                           tiles_ptr, ready_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps, K: tl.constexpr,
                            KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr, E_PAD: tl.constexpr,
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -228,6 +230,10 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         else:
             _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
                            K, K_PAD, KEEP_NORMALIZE)
+        # The down GEMM's programs, launched behind this one, wait for ready to load their experts'
+        # weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
+        tl.debug_barrier()
+        tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
         if SERE:
             router_ids, _ = _top_k_ids(rank, e, K, K_PAD)
@@ -276,9 +282,10 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     h, attn = h.contiguous(), attn.contiguous()
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
+    ready = torch.empty(1, dtype=torch.int32, device=h.device)  # the routing stored (lowered, then raised)
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     _out_proj_logits_kernel[(triton.cdiv(H, GEMV_BLOCK_N) + triton.cdiv(E, GEMV_BLOCK_N),)](
-        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
+        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
         BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), num_warps=GEMV_WARPS, **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
@@ -286,12 +293,12 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
     _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, cfg.block_n))](
         h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
-        similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
+        ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, **launch_options_moe(cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
-    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True)
+    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True, ready=ready)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
 
 

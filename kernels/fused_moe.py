@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .dependent_launch import launch_options, wait_for_inputs
+from .dependent_launch import ahead_width, launch_options, wait_for_inputs
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -225,14 +225,27 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H, I,
+def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, ready_ptr, S, H, I,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 SLOT_TILES: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
+                 SLOT_TILES: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(1)
-    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols[None, :] < H
+    if AHEAD:
+        # One token's slots (`folded_router`): the launch before stores their experts early, then
+        # raises ready, and keeps running its GEMMs; so the first AHEAD rows of this tile's weights
+        # are loaded before the wait, while it runs. (This launch starts only once every program of
+        # that one has, so its routing program is running and ready will rise.)
+        while tl.atomic_add(ready_ptr, 0, sem="acquire") == 0:
+            pass
+        first = tl.arange(0, AHEAD)
+        expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
+        w_first = tl.load(w_ptr + tl.maximum(expert, 0) * H * I + cols[None, :].to(tl.int64) * I + first[:, None],
+                          mask=(expert >= 0) & (first[:, None] < I) & col_ok, other=0.0)
+        wait_for_inputs(PDL)
+    else:
+        wait_for_inputs(PDL)
+        expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     out_rows = out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :]
     if expert < 0:
@@ -242,7 +255,10 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
     ks = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + slots[:, None].to(tl.int64) * I
     w_cols = w_ptr + expert * H * I + cols[None, :].to(tl.int64) * I
-    for k0 in range(0, I, BLOCK_K):
+    if AHEAD:
+        a_first = tl.load(h_rows + first[None, :], mask=valid[:, None] & (first < I)[None, :], other=0.0)
+        acc = tl.dot(a_first, w_first, acc, input_precision=PRECISION)
+    for k0 in range(AHEAD, I, BLOCK_K):
         k_ok = k0 + ks < I
         a = tl.load(h_rows + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
@@ -261,16 +277,20 @@ def launch_options_moe(cfg: MoeConfig, x: torch.Tensor) -> dict:
 
 
 def down_per_slot(hidden: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, tile_slots: torch.Tensor,
-                  tile_expert: torch.Tensor, cfg: MoeConfig, slot_tiles: bool) -> torch.Tensor:
+                  tile_expert: torch.Tensor, cfg: MoeConfig, slot_tiles: bool,
+                  ready: torch.Tensor | None = None) -> torch.Tensor:
     """The down GEMM of the gate/up kernel's output rows [S, I]: each slot's output times its routing
     weight, [S, H] unsummed (also `folded_router.folded_moe`'s last launch). slot_tiles: tile g is slot
-    g, tile_expert its expert, -1 where the slot is dropped (its row zero)."""
+    g, tile_expert its expert, -1 where the slot is dropped (its row zero). ready (int32 [1], with
+    slot_tiles): nonzero once the launch before has stored tile_expert, which it may still be
+    running; each program then loads part of its weights before it waits for that launch."""
     S, I = hidden.shape
     H = down.shape[1]
     per_slot = torch.empty(S, H, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(tile_expert.numel(), triton.cdiv(H, cfg.block_n))](
-        hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert, S, H, I,
-        SLOT_TILES=slot_tiles, **launch_options_moe(cfg, hidden))
+        hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert,
+        tile_expert if ready is None else ready, S, H, I, SLOT_TILES=slot_tiles,
+        AHEAD=0 if ready is None else ahead_width(I, cfg.block_k), **launch_options_moe(cfg, hidden))
     return per_slot
 
 

@@ -67,12 +67,13 @@ def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("load_ahead", [0.0, 1.0])
+@pytest.mark.parametrize("load_ahead", [0.0, 0.5, 1.0])
 def test_folded_moe_loads_any_share_of_its_rows_ahead(device, load_ahead, monkeypatch):
-    """None of the output projection's and router's rows over a loaded ahead of the wait, or all of
-    them (two steps of the loop); half, the committed share, is every other test's."""
+    """None, half (as committed) or all of the output projection's and router's rows over a loaded
+    ahead of the wait, and of the down GEMM's rows over an expert's width of 160 (two steps of the
+    loop and a short one: the loop goes on after the rows ahead)."""
     monkeypatch.setattr(dependent_launch, "load_ahead", load_ahead)
-    test_folded_moe_matches_reference(device, 64, 128, 16, 32, 4, True)
+    test_folded_moe_matches_reference(device, 64, 128, 16, 160, 4, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

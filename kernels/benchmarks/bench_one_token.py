@@ -19,8 +19,8 @@ The variants: the router apart from the output projection (`folded_moe` off: the
 projection, the router with the norm, and the experts as four launches); the expert GEMMs' default
 tile shape where the device has a tuned one (`fused_moe.pick_config`); the q/k/v launch's norm
 apart (two launches); the attention's keys a tile; the whole step without PDL; none and all of
-the q/k/v and output projection programs' weights loaded ahead of their wait (half is committed,
-`dependent_launch.load_ahead`); and SERE and OEA (`bench_kernels`' policies) with the router
+the q/k/v, output projection and down GEMM programs' weights loaded ahead of their wait (half is
+committed, `dependent_launch.load_ahead`); the down GEMM alone without; and SERE and OEA (`bench_kernels`' policies) with the router
 folded and apart. (Session 32 also
 timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of the input width:
 docs/PERFORMANCE.md.)
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from zipmoe.engine import model
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels import dependent_launch, fused_moe, paged_attention, qkv_norm_rope
+from zipmoe.kernels import dependent_launch, folded_router, fused_moe, paged_attention, qkv_norm_rope
 from zipmoe.kernels.gemv import gemv
 from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
@@ -75,6 +75,12 @@ def _norm_apart(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cac
     return h, fused_qkv_norm_rope_cache(x, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, hq, hkv)
 
 
+def _down_not_ahead(*args, ready=None, **kwargs):
+    """`fused_moe.down_per_slot` as `folded_moe` calls it, without the routing's ready flag: its
+    programs load nothing before their wait."""
+    return fused_moe.down_per_slot(*args, **kwargs)
+
+
 def _keys_a_tile(keys: int):
     """`paged_attention._tile_config` with another tile of keys, its warps and stages as committed."""
     committed = paged_attention._tile_config
@@ -94,6 +100,7 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
         ("no PDL", [], False, topk),
         ("no weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 0.0)], True, topk),
         ("all weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 1.0)], True, topk),
+        ("down GEMM without loads ahead", [(folded_router, "down_per_slot", _down_not_ahead)], True, topk),
         ("sere K'=2 rho=0, folded", [], True, sere),
         ("sere K'=2 rho=0, router apart", apart, True, sere),
         ("oea k0=2, folded", [], True, oea),
