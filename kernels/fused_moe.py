@@ -225,27 +225,37 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
 
 
 @triton.jit
+def _expert_rows(w_ptr, expert, cols, col_ok, k, H, I):
+    """Rows k of the down weight's columns `cols` for `expert` ([len(k), BLOCK_N]; zeros, nothing
+    read, where expert is -1)."""
+    return tl.load(w_ptr + tl.maximum(expert, 0) * H * I + cols[None, :].to(tl.int64) * I + k[:, None],
+                   mask=(expert >= 0) & (k[:, None] < I) & col_ok, other=0.0)
+
+
+@triton.jit
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, ready_ptr, S, H, I,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 SLOT_TILES: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
+                 SLOT_TILES: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr,
+                 READY_TRIES: tl.constexpr = 64):
     pid_n = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols[None, :] < H
     if AHEAD:
         # One token's slots (`folded_router`): the launch before stores their experts early, then
-        # raises ready, and keeps running its GEMMs; so the first AHEAD rows of this tile's weights
-        # are loaded before the wait, while it runs. (This launch starts only once every program of
-        # that one has, so its routing program is running and ready will rise.)
-        while tl.atomic_add(ready_ptr, 0, sem="acquire") == 0:
-            pass
+        # raises ready, and runs its GEMMs for a while yet; so the first AHEAD rows of this tile's
+        # weights are loaded before the wait. (This launch starts only once every program of that one
+        # has, so its routing program is running and ready will rise; a program that has not seen it
+        # after READY_TRIES tries loads those rows after the wait instead.)
+        seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
+        tries = 0
+        while (seen == 0) & (tries < READY_TRIES):
+            seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
+            tries += 1
         first = tl.arange(0, AHEAD)
-        expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
-        w_first = tl.load(w_ptr + tl.maximum(expert, 0) * H * I + cols[None, :].to(tl.int64) * I + first[:, None],
-                          mask=(expert >= 0) & (first[:, None] < I) & col_ok, other=0.0)
-        wait_for_inputs(PDL)
-    else:
-        wait_for_inputs(PDL)
-        expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
+        early = tl.load(tile_expert_ptr + tl.program_id(0), mask=seen != 0, other=-1).to(tl.int64)
+        w_first = _expert_rows(w_ptr, early, cols, col_ok, first, H, I)
+    wait_for_inputs(PDL)
+    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     out_rows = out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :]
     if expert < 0:
@@ -256,6 +266,8 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
     h_rows = h_ptr + slots[:, None].to(tl.int64) * I
     w_cols = w_ptr + expert * H * I + cols[None, :].to(tl.int64) * I
     if AHEAD:
+        w_first = tl.where(seen != 0, w_first, _expert_rows(w_ptr, tl.where(seen != 0, -1, expert), cols, col_ok,
+                                                             first, H, I))
         a_first = tl.load(h_rows + first[None, :], mask=valid[:, None] & (first < I)[None, :], other=0.0)
         acc = tl.dot(a_first, w_first, acc, input_precision=PRECISION)
     for k0 in range(AHEAD, I, BLOCK_K):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zipmoe.kernels.layer_ops import router_reference
-from zipmoe.kernels.fused_moe import (MoeConfig, pick_config, fused_experts, fused_experts_per_slot,
+from zipmoe.kernels.fused_moe import (MoeConfig, down_per_slot, pick_config, fused_experts, fused_experts_per_slot,
                                       fused_experts_reference, fused_experts_with_config, moe_align,
                                       moe_align_reference, num_tiles)
 
@@ -81,6 +81,25 @@ def test_one_token_with_distinct_ids_skips_the_align(device, dup, monkeypatch):
     x, ids, w, gate_up, down = _case(3, 16, 4, 64, 32, dt, device)
     assert torch.equal(fused_experts_per_slot(x, ids, w, gate_up, down, distinct_ids=True),
                        fused_experts_per_slot(x, ids, w, gate_up, down))  # more tokens: aligned as ever
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_down_loads_rows_ahead_once_ready_and_after_the_wait_without(device):
+    """One token's slots with the routing's ready word: raised, each program loads its first rows
+    of the expert before its wait; never raised, it stops asking after READY_TRIES and loads them
+    after the wait. The same slot outputs either way (a dropped slot's zero), and those of the
+    program that loads nothing ahead up to the order of its sums."""
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    _, ids, w, _, down = _case(1, 16, 4, 64, 160, dt, device)
+    hidden = torch.randn(4, 160, generator=torch.Generator().manual_seed(1)).to(device, dt)
+    tiles = ids.clone()
+    tiles[0, -1] = -1  # a slot the routing dropped
+    args = (hidden, down, w, tiles, tiles.reshape(-1), SMALL, True)
+    plain = down_per_slot(*args)
+    raised, never = (down_per_slot(*args, ready=torch.full((1,), flag, dtype=torch.int32, device=device))
+                     for flag in (1, 0))
+    assert torch.equal(raised, never) and not raised[3].any()
+    torch.testing.assert_close(raised, plain, **({} if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
 
 
 @pytest.mark.gpu
