@@ -42,6 +42,9 @@ import triton.language as tl
 TARGET_PROGRAMS = 1024
 MAX_SPLITS = 16
 MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
+# Each program loads its first tile of keys and values, all but the newest key, before its PDL
+# wait (`_partition_kernel`); the benchmarks set it off (bench_one_token).
+keys_ahead = True
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -66,6 +69,32 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 @triton.jit
+def _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, load, d, stride_ks, stride_kh, stride_vs, stride_vh,
+                     stride_tb, BLOCK_SIZE: tl.constexpr):
+    """The keys and values at context positions pos of one sequence and kv head, where `load`
+    ([BLOCK_N, HEAD_DIM] tiles; zeros elsewhere, nothing read there)."""
+    block = tl.load(tables_ptr + seq.to(tl.int64) * stride_tb + pos // BLOCK_SIZE, mask=load, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=load[:, None], other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=load[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """The running (max, sum, acc) of the group's heads after one tile of keys (online softmax, base 2)."""
+    # Scaled after the dot, in fp32: scaling q first would round it to bf16 a second time.
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _partition_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr, out_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -75,9 +104,11 @@ def _partition_kernel(
     table_len,  # keys the block table can name: a longer context is read no further (as the reference)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
+    if not AHEAD:
+        wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -85,8 +116,22 @@ def _partition_kernel(
     ctx = tl.minimum(tl.load(lens_ptr + seq), table_len)
     chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N  # whole key tiles; 0 for an empty context
     start = part * chunk
+    end = tl.minimum(start + chunk, ctx)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
+    offs = tl.arange(0, BLOCK_N)
+    # AHEAD: the first tile's keys and values but the newest are loaded before the wait, while the
+    # q/k/v launch before still runs: the lengths and tables are copied in before the step, and the
+    # only key a decode step writes is each sequence's newest, the one loaded after the wait.
+    pos = start + offs
+    if AHEAD:
+        early = (pos < end) & (pos < ctx - 1)
+    else:
+        early = pos < end
+    k, v = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, early, d, stride_ks, stride_kh, stride_vs,
+                            stride_vh, stride_tb, BLOCK_SIZE)
+    if AHEAD:
+        wait_for_inputs(PDL)
     q_heads = kv_head * GROUP + g
     store = g < GROUP
     out_rows = out_ptr + seq.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + d[None, :]
@@ -99,31 +144,20 @@ def _partition_kernel(
     # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
                 mask=store[:, None], other=0.0)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    end = tl.minimum(start + chunk, ctx)
-    offs = tl.arange(0, BLOCK_N)
+    late = (pos < end) & ~early
+    k_late, v_late = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, late, d, stride_ks, stride_kh,
+                                      stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+    k = tl.where(late[:, None], k_late, k)
+    v = tl.where(late[:, None], v_late, v)
     # Every tile visited holds at least one key of the context, so m_i is finite after the first.
-    for tile in range(start, end, BLOCK_N):
+    m_i, l_i, acc = _attend(q, k, v, pos < end, tl.full([GROUP_PAD], float("-inf"), tl.float32),
+                            tl.zeros([GROUP_PAD], tl.float32), tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32), qk_scale,
+                            DOT_PRECISION)
+    for tile in range(start + BLOCK_N, end, BLOCK_N):
         pos = tile + offs
-        valid = pos < end
-        block = tl.load(tables_ptr + seq.to(tl.int64) * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        # Scaled after the dot, in fp32: scaling q first would round it to bf16 a second time.
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, pos < end, d, stride_ks, stride_kh,
+                                stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+        m_i, l_i, acc = _attend(q, k, v, pos < end, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     used = tl.cdiv(ctx, chunk)  # at most `splits`: the programs that check in
     if used == 1:  # the whole context was this program's: no split to merge with
@@ -170,10 +204,14 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, block_size):
 def _tile_config(head_dim: int, block_size: int) -> tuple[int, int, int]:
     """(keys per tile, warps, pipeline stages). A tile spans whole blocks.
 
-    128 keys (8 blocks of 16), 4 warps, 2 stages were the best or within 3% of it at head_dim 128 in
-    a sweep of tiles 32/64/128, 4/8 warps and 2/3 stages over B 1..64 and contexts 1k..4k on an H200.
+    64 keys (4 blocks of 16), 4 warps, 2 stages. Without keys loaded ahead of the wait, 128 keys
+    were the best or within 3% of it at head_dim 128 (a sweep of tiles 32/64/128, 4/8 warps and 2/3
+    stages over B 1..64 and contexts 1k..4k on an H200). With them, a program holds its first tile in
+    registers across the wait, and 128 keys made the decode step slower than loading none ahead; 64
+    keys ahead made it the fastest of the four at batches 1, 16 and 64 and contexts of 256 to 4k
+    (graph replay on an H100, docs/PERFORMANCE.md, session 38).
     """
-    return max(block_size, 128), 4, 2
+    return max(block_size, 64), 4, 2
 
 
 def num_splits(batch: int, kv_heads: int, table_len: int, tile: int) -> int:
@@ -218,7 +256,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         scale * 1.4426950408889634,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", AHEAD=keys_ahead,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     return out

@@ -47,6 +47,8 @@ QKV_MAX_T = 1
 QKV_BLOCK_K = 128  # input columns per loop iteration
 QKV_MAX_SPLIT = 8  # splits of the input width per head: 40 heads x 8 = 320 programs at the 30B shape
 QKV_MAX_HEADS = 1024  # q + k + v heads one launch serves: one arrival counter each
+QKV_WARPS = 4  # 2 and 8 made the batch-1 step 5 % slower (H100, session 38: bench_step_knobs)
+QKV_STAGES = 2  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory (1: even)
 
 
 def qkv_norm_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
@@ -187,7 +189,7 @@ def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: tor
             SLOTS=delta.shape[1] if delta.dim() == 3 else 1,
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=2,  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory
+            num_warps=QKV_WARPS, num_stages=QKV_STAGES,
             FIRST=ahead or QKV_BLOCK_K, LOAD_AHEAD=ahead > 0, **launch_options(x.device))
     return q
 

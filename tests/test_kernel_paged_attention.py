@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 from zipmoe.engine.kv_cache import BlockManager, KVCache
 from zipmoe.engine.sequence import SamplingParams, Sequence
+from zipmoe.kernels import paged_attention
 from zipmoe.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from zipmoe.kernels.qkv_norm_rope import fused_qkv_norm_rope_cache, qkv_norm_rope_cache_reference
 
 BLOCK = 16
 
@@ -56,7 +58,9 @@ LENS = [1, 0, 7, BLOCK, 3 * BLOCK + 5, 18 * BLOCK + 2]
     (128, 1, 8, 64),
     (128, 2, 2, 0),
 ])
-def test_paged_decode_attention_matches_reference(head_dim, kv_heads, group, tile):
+@pytest.mark.parametrize("keys_ahead", [True, False])
+def test_paged_decode_attention_matches_reference(head_dim, kv_heads, group, tile, keys_ahead, monkeypatch):
+    monkeypatch.setattr(paged_attention, "keys_ahead", keys_ahead)  # the first tile's keys before the wait or after
     q, k, v, tables, lens = make_case(LENS, kv_heads, group, head_dim)
     scale = 4 * head_dim ** -0.5  # peaked softmax: a stale running max would show
     out = paged_decode_attention(q, k, v, tables, lens, BLOCK, scale, tile)
@@ -203,3 +207,37 @@ def test_paged_decode_attention_replays_in_a_cuda_graph_with_new_tables():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, paged_decode_attention_reference(q, k, v, tables, lens, BLOCK, scale),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_the_newest_key_written_by_the_launch_before_is_read_after_the_wait():
+    """The q/k/v launch writes each sequence's newest key and value; the attention behind it (PDL,
+    in a CUDA graph as the engine runs them) loads its other keys before its wait and that one
+    after. The newest rows hold 100 before the q/k/v launch writes normed values there: a stale
+    read would dominate the softmax."""
+    lens, hq, hkv, D, hidden = [1, 37, 300, 129], 32, 4, 128, 256
+    q, k, v, tables, ctx = make_case(lens, hkv, hq // hkv, D, torch.bfloat16, "cuda", seed=3)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    newest = torch.tensor([tables[i, (n - 1) // BLOCK].item() * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)],
+                          device="cuda")
+    x = torch.randn(len(lens), hidden, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn((hq + 2 * hkv) * D, hidden, device="cuda", generator=g) / hidden ** 0.5).bfloat16()
+    angle = torch.rand(len(lens), D, device="cuda", generator=g) * 6.28
+    cos, sin, norm = angle.cos().bfloat16(), angle.sin().bfloat16(), torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    k_ref, v_ref = k.clone(), v.clone()
+    q_ref = qkv_norm_rope_cache_reference(x, weight, norm, norm, cos, sin, k_ref, v_ref, newest, 1e-6, hq, hkv)
+    ref = paged_decode_attention_reference(q_ref, k_ref, v_ref, tables, ctx, BLOCK, D ** -0.5)
+
+    def step():
+        q = fused_qkv_norm_rope_cache(x, weight, norm, norm, cos, sin, k, v, newest, 1e-6, hq, hkv)
+        return paged_decode_attention(q, k, v, tables, ctx, BLOCK, D ** -0.5)
+
+    step()  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        k[newest], v[newest] = 100.0, 100.0
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

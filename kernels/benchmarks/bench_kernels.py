@@ -1,7 +1,7 @@
 """Kernels and the decode step at Qwen3-30B-A3B's shape on random weights (H200).
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --out docs/results/kernels_h200
-        [--parts decode,prefill,moe,sere,router,qkv,one_token,importance,paged] [--sweep]
+        [--parts decode,prefill,moe,sere,router,qkv,one_token,step_knobs,importance,paged] [--sweep]
 
 Every time is read against the device-copy bandwidth measured in the same run. Parts:
 - moe (and --sweep): one MoE layer, its align step and its tile shapes: kernels/benchmarks/bench_moe.py.
@@ -16,6 +16,9 @@ Every time is read against the device-copy bandwidth measured in the same run. P
   not overlapped with the next layer's launch.
 - one_token: a batch-1 step's fused kernels vs the launches they replaced, and the step under the
   choices they leave open (tile shapes, the norm's place, PDL): bench_one_token.py.
+- step_knobs: the step's graph replay under the knobs whose best value may move with the batch or
+  the context (the attention's tile, the expert GEMMs' stages, loads ahead), over those cases:
+  bench_step_knobs.py (`--knob-sets`).
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
@@ -318,6 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/results/kernels_h200")
     ap.add_argument("--parts", default="decode,prefill,moe,sere,router,qkv,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
+    ap.add_argument("--knob-sets", default="attention,tiles,ahead", help="the step_knobs part's sets")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
         from .bench_moe import sweep_moe
         save(sweep_moe())
     else:
-        if {"decode", "prefill", "one_token"} & parts:
+        if {"decode", "prefill", "one_token", "step_knobs"} & parts:
             engine = build_engine()
             if "decode" in parts:
                 save(bench_decode(engine, gbps))
@@ -344,6 +348,9 @@ def main(argv=None) -> int:
             if "one_token" in parts:
                 from .bench_one_token import bench_step_variants
                 save(bench_step_variants(engine))
+            if "step_knobs" in parts:
+                from .bench_step_knobs import bench_step_knobs
+                save(bench_step_knobs(engine, args.knob_sets.split(",")))
             del engine
             torch.cuda.empty_cache()
         if "moe" in parts:

@@ -17,13 +17,14 @@ in one engine (its graphs captured again for each, the committed choices first a
 drift shows): "step_variant" rows, policy the variant's name, graph replay and pipelined step.
 The variants: the router apart from the output projection (`folded_moe` off: the output
 projection, the router with the norm, and the experts as four launches); the expert GEMMs' default
-tile shape where the device has a tuned one (`fused_moe.pick_config`); the q/k/v launch's norm
-apart (two launches); the attention's keys a tile; the whole step without PDL; none and all of
-the q/k/v, output projection and down GEMM programs' weights loaded ahead of their wait (half is
-committed, `dependent_launch.load_ahead`); the down GEMM alone without; and SERE and OEA (`bench_kernels`' policies) with the router
-folded and apart. (Session 32 also
-timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of the input width:
-docs/PERFORMANCE.md.)
+tile shape where the device has a tuned one (`fused_moe.pick_config`), and the fold's at the
+tuned 4 stages (`folded_router.FOLD_STAGES`); the q/k/v launch's norm
+apart (two launches); the attention's keys a tile, and its first tile loaded after its wait
+(`paged_attention.keys_ahead` off); the whole step without PDL; none and all of the q/k/v, output
+projection and down GEMM programs' weights loaded ahead of their wait (half is committed,
+`dependent_launch.load_ahead`); the down GEMM alone without; and SERE and OEA (`bench_kernels`'
+policies) with the router folded and apart. (Session 32 also timed the GEMV's rows a program and
+the q/k/v kernel's and the router's splits of the input width: docs/PERFORMANCE.md.)
 """
 from __future__ import annotations
 
@@ -95,8 +96,10 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
         ("as committed", [], True, topk),
         ("router apart (not folded)", apart, True, topk),
         ("expert tiles untuned (default shape)", [(fused_moe, "_tuned", lambda key: {})], True, topk),
+        ("fold's expert GEMMs at 4 stages", [(folded_router, "FOLD_STAGES", 4)], True, topk),
         ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True, topk),
-        ("attention 64 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(64))], True, topk),
+        ("attention 128 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(128))], True, topk),
+        ("attention's keys loaded after the wait", [(paged_attention, "keys_ahead", False)], True, topk),
         ("no PDL", [], False, topk),
         ("no weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 0.0)], True, topk),
         ("all weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 1.0)], True, topk),
@@ -109,20 +112,26 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
     ]
 
 
+def capture_with(engine, patches: list, pdl: bool, policy: RoutingPolicy) -> None:
+    """The engine's graphs captured again with each (object, attribute, value) of patches set and
+    PDL on or off; the attributes restored after (the graphs keep what they captured)."""
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    try:
+        for obj, attr, value in patches:
+            setattr(obj, attr, value)
+        with dependent_launch.enabled_as(pdl):
+            engine.set_routing_policy(policy)
+    finally:
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+
+
 def bench_step_variants(engine, steps: int = 40) -> list[dict]:
     """The batch-1 step under each of `_variants`, graph replay and pipelined."""
     g = torch.Generator().manual_seed(0)
     rows = []
     for name, patches, pdl, policy in _variants():
-        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
-        try:
-            for obj, attr, value in patches:
-                setattr(obj, attr, value)
-            with dependent_launch.enabled_as(pdl):
-                engine.set_routing_policy(policy)  # captures the graphs with the variant
-        finally:
-            for obj, attr, value in saved:
-                setattr(obj, attr, value)
+        capture_with(engine, patches, pdl, policy)
         seq = engine.add_request(torch.randint(0, 150000, (256,), generator=g).tolist(),
                                  SamplingParams(max_tokens=2 * steps, ignore_eos=True))
         while not seq.output_ids:

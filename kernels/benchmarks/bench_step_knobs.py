@@ -1,0 +1,117 @@
+"""The decode step's graph replay under the knobs its kernels leave open, over the batches and
+contexts each knob's choice depends on. A part of bench_kernels:
+
+    python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs [--knob-sets attention,tiles,ahead]
+
+`bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
+the batch or the context length is chosen here. Each set times its variants in one engine, the
+committed choices first and last (so drift shows), the graphs captured again for every variant;
+every case routes the same prompts under every variant, so batches 16 and 64 read the same
+expert union throughout.
+- attention: the keys a tile of `paged_attention` (32, 64, 128) with and without the first tile
+  loaded ahead of its PDL wait (`paged_attention.keys_ahead`); batches 1, 16 and 64, contexts of
+  256 to 4,096 tokens.
+- tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
+  (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
+  folded output projection's rows a program.
+- ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
+  weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
+Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
+"""
+from __future__ import annotations
+
+import torch
+
+from zipmoe.engine.routing import RoutingPolicy
+from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels import dependent_launch, folded_router, fused_moe, paged_attention, qkv_norm_rope
+from zipmoe.kernels.fused_moe import MoeConfig
+
+from .bench_kernels import print_row, row
+from .bench_one_token import capture_with
+from .timing import cuda_time_us
+
+BATCH_1 = ((1, 256), (1, 4096))
+
+
+def _tile(keys: int):
+    """`paged_attention._tile_config` with `keys` a tile, its warps and stages as committed."""
+    committed = paged_attention._tile_config
+    return lambda head_dim, block_size: (max(block_size, keys),) + committed(head_dim, block_size)[1:]
+
+
+def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
+    """The fold's expert GEMMs at this tile shape (block_m 16: one token's slots)."""
+    return [(folded_router, "pick_config", lambda *args: MoeConfig(16, block_n, block_k, warps, stages)),
+            (folded_router, "FOLD_STAGES", stages)]
+
+
+def _ahead(width: int | None = None, share: float = 1.0):
+    """An `ahead_width` that loads `width` columns ahead, or `share` of what the committed one does."""
+    return lambda columns, step: width if width is not None else int(dependent_launch.ahead_width(columns, step) * share)
+
+
+def knob_sets() -> dict[str, tuple[tuple, list]]:
+    """{set: (cases (batch, prompt tokens), [(variant, patches)])}."""
+    after = (paged_attention, "keys_ahead", False)
+    return {
+        "attention": (((1, 256), (1, 4096), (16, 256), (16, 2048), (64, 256), (64, 1024)), [
+            ("committed (64 keys, first tile ahead)", []),
+            ("128 keys, first tile ahead", [(paged_attention, "_tile_config", _tile(128))]),
+            ("128 keys, after the wait", [(paged_attention, "_tile_config", _tile(128)), after]),
+            ("64 keys, after the wait", [after]),
+            ("32 keys, first tile ahead", [(paged_attention, "_tile_config", _tile(32))]),
+            ("committed again", []),
+        ]),
+        "tiles": (BATCH_1, [
+            ("committed", []),
+            ("experts 16x32x128, 4 warps, 4 stages (the sweep's)", _experts(32, 128, 4, 4)),
+            ("experts 16x32x128, 4 warps, 2 stages", _experts(32, 128, 4, 2)),
+            ("experts 16x32x128, 8 warps, 3 stages", _experts(32, 128, 8, 3)),
+            ("experts 16x64x128, 4 warps, 3 stages", _experts(64, 128, 4, 3)),
+            ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
+            ("q/k/v 4 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 4)]),
+            ("q/k/v 16 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 16)]),
+            ("q/k/v 2 warps", [(qkv_norm_rope, "QKV_WARPS", 2)]),
+            ("q/k/v 8 warps", [(qkv_norm_rope, "QKV_WARPS", 8)]),
+            ("q/k/v 1 stage", [(qkv_norm_rope, "QKV_STAGES", 1)]),
+            ("output projection 2 rows a program", [(folded_router, "GEMV_BLOCK_N", 2)]),
+            ("output projection 8 rows a program", [(folded_router, "GEMV_BLOCK_N", 8)]),
+            ("committed again", []),
+        ]),
+        "ahead": (BATCH_1, [
+            ("committed", []),
+            ("down GEMM 512 of 768 rows ahead", [(fused_moe, "ahead_width", _ahead(512))]),
+            ("down GEMM one step (128 rows) ahead", [(fused_moe, "ahead_width", _ahead(128))]),
+            ("output projection a quarter ahead", [(folded_router, "ahead_width", _ahead(share=0.5))]),
+            ("output projection all ahead", [(folded_router, "ahead_width", _ahead(share=2.0))]),
+            ("committed again", []),
+        ]),
+    }
+
+
+def bench_step_knobs(engine, sets: list[str]) -> list[dict]:
+    """Graph replay of the step under every variant of each named set, over its cases."""
+    rows = []
+    for name in sets:
+        cases, variants = knob_sets()[name]
+        for variant, patches in variants:
+            capture_with(engine, patches, True, RoutingPolicy())
+            for batch, prompt in cases:
+                g = torch.Generator().manual_seed(batch * 100_000 + prompt)  # the same prompts for every variant
+                seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
+                                           SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(batch)]
+                while any(not s.output_ids for s in seqs):
+                    engine.step()
+                for _ in range(3):
+                    engine.step()
+                bucket = next(b for b in engine.runner.graphs.buckets if b >= batch)
+                us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=3, reps=20)
+                rows.append(row("step_knob", "graph_replay", batch, us, 0, f"{name}: {variant}", context=prompt))
+                print_row(rows[-1])
+                for s in seqs:
+                    engine.abort(s)
+                while engine.has_work:
+                    engine.step()
+    engine.set_routing_policy(RoutingPolicy())
+    return rows
