@@ -17,16 +17,24 @@ in every program, so waiting on the kernel just before is waiting on all of them
 without the flag (cuBLAS, PyTorch's own kernels) is ordered as usual, and a kernel with it that
 follows one simply starts when that one ends.
 
-One exception: memory no kernel writes, a layer's weights. The q/k/v launch and the folded output
-projection (`qkv_norm_rope`, `folded_router`) load `load_ahead` of each program's weight (half)
-before their wait, while the launch before (the experts' down GEMM, the attention) still runs,
-and the rest after it. The batch-1 step on an H100, one run (session 37, graph replay): 3,269 /
-3,273 us against 3,375 with none ahead and 3,628 with all (registers and bandwidth taken from the
-launch before for the whole of its run). The gate/up GEMM cannot: its experts are known only
-after the wait. The down GEMM of `folded_moe` learns its experts before its wait, from a flag the
-gate/up launch's routing program raises once it has stored them, and loads its share ahead too
-(`fused_moe.down_per_slot`'s ready; the flag will rise, as PDL launches the down GEMM only once
-every program of the gate/up launch has started). Also measured, not kept: letting the next launch go after a kernel's main
+Exceptions, all for memory the launch before does not write. (A launch starts only once every
+program of the one before has passed its own wait, `wait_for_inputs` letting the next go after
+it: so at most two launches overlap, and only the one just before can still be writing.)
+- A layer's weights: the q/k/v launch and the folded output projection (`qkv_norm_rope`,
+  `folded_router`) load `load_ahead` of each program's weight (half) before their wait, while the
+  launch before (the experts' down GEMM, the attention) still runs, and the rest after it. The
+  batch-1 step on an H100, one run (session 37, graph replay): 3,269 / 3,273 us against 3,375
+  with none ahead and 3,628 with all (registers and bandwidth taken from the launch before for
+  the whole of its run).
+- The fold's down GEMM: the gate/up launch's routing program stores the experts early, then
+  raises a ready flag (which the output projection's launch lowered), and the down GEMM's
+  programs, waiting for it a bounded while, load half their experts' rows before their wait
+  (`fused_moe.down_per_slot`'s ready): the batch-1 step 2.2 % faster in its first run, 6.7 %
+  with the fold's GEMMs at 3 stages (session 38, `bench_one_token`).
+- The attention's first tile of keys and values, all but each sequence's newest key, which the
+  q/k/v launch before writes (`paged_attention.keys_ahead`): 3 to 5.5 % over three runs (session 38).
+The gate/up GEMM loads nothing ahead: its experts are known only from the logits the launch
+before makes. Also measured, not kept: letting the next launch go after a kernel's main
 loop instead of at its start (the attention's, the down GEMM's), so that those loads overlap only
 its tail: 3,378 / 3,390 us with half ahead, against 3,280 us letting it go at the start (another
 run, `docs/results/pdl_late_trigger_one_token_h100.json`).

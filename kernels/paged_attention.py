@@ -25,6 +25,13 @@ Why it is shaped this way:
 - One program serves all the query heads of a GQA group (Qwen3-30B-A3B: 8 q heads per kv head),
   so each K/V tile is read from memory once per group rather than once per query head, and the
   group's scores come from one tl.dot.
+- Under PDL each program loads its first tile of keys and values before its wait, while the q/k/v
+  launch before still runs (`keys_ahead`): the lengths and block tables are copied in before the
+  step, and the only key a decode step writes is each sequence's newest, which the program loads
+  after the wait into its place. That, with 64 keys a tile (a tile of 128 held in registers
+  across the wait made the step slower than none ahead), made the batch-1 step 4 % faster and the
+  batch-64 one 3 % than 128 keys after the wait, the choice before (graph replay on an H100,
+  session 38: docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 

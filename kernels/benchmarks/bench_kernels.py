@@ -285,37 +285,6 @@ def print_row(r: dict) -> None:
           flush=True)
 
 
-def plot(result: dict, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, copy = result["rows"], result["copy_gbps"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    impls = sorted({r["impl"] for r in rows if r["bench"] == "moe_layer"})
-    for impl, policy in sorted({(r["impl"], r["policy"]) for r in rows if r["bench"] == "moe_layer"}):
-        pts = [(r["batch"], r["gbps"]) for r in rows
-               if r["bench"] == "moe_layer" and r["impl"] == impl and r["policy"] == policy]
-        a.plot(*zip(*pts), marker="o", ls="--" if "uniform" in policy else "-", color=f"C{impls.index(impl)}",
-               label=impl + (", uniform routing" if "uniform" in policy else ""))
-    a.axhline(copy, color="k", ls="--", label=f"device copy {copy:.0f} GB/s")
-    a.axhline(0.8 * copy, color="gray", ls=":", label="80 % of copy")
-    a.set(xscale="log", xlabel="tokens per MoE layer call", ylabel="achieved GB/s (expert weights)",
-          title="MoE layer, Qwen3-30B-A3B shape, H200")
-    a.legend(fontsize=8)
-    # solid: the engine's default, pipelined steps; dashed, same colour: one step at a time
-    for i, policy in enumerate(sorted({r["policy"] for r in rows if r["bench"] == "decode_step"})):
-        for impl, style, suffix in (("engine_step_async", "-", ""), ("engine_step", "--", ", one at a time")):
-            pts = [(r["batch"], r["time_us"] / 1e3) for r in rows
-                   if r["bench"] == "decode_step" and r["impl"] == impl and r["policy"] == policy]
-            if pts:
-                b.plot(*zip(*pts), marker="o", ls=style, color=f"C{i}", label=policy + suffix)
-    b.set(xscale="log", xlabel="decode batch", ylabel="TPOT (ms)", title="decode step, 48 layers, CUDA graphs")
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/results/kernels_h200")
@@ -373,6 +342,7 @@ def main(argv=None) -> int:
             from .bench_paged_attention import bench_paged_attention
             save(bench_paged_attention("cuda"))
         try:
+            from .plots import plot
             plot(result, out.with_suffix(".png"))
         except ImportError:
             print("matplotlib missing (pip install -e '.[bench]'): no PNG")

@@ -1,7 +1,8 @@
 """The decode step's graph replay under the knobs its kernels leave open, over the batches and
 contexts each knob's choice depends on. A part of bench_kernels:
 
-    python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs [--knob-sets attention,tiles,ahead]
+    python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
+        [--knob-sets attention,tiles,ahead]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -48,7 +49,9 @@ def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
 
 def _ahead(width: int | None = None, share: float = 1.0):
     """An `ahead_width` that loads `width` columns ahead, or `share` of what the committed one does."""
-    return lambda columns, step: width if width is not None else int(dependent_launch.ahead_width(columns, step) * share)
+    def ahead_width(columns: int, step: int) -> int:
+        return width if width is not None else int(dependent_launch.ahead_width(columns, step) * share)
+    return ahead_width
 
 
 def knob_sets() -> dict[str, tuple[tuple, list]]:
