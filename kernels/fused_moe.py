@@ -244,8 +244,9 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
         # One token's slots (`folded_router`): the launch before stores their experts early, then
         # raises ready, and runs its GEMMs for a while yet; so the first AHEAD rows of this tile's
         # weights are loaded before the wait. (This launch starts only once every program of that one
-        # has, so its routing program is running and ready will rise; a program that has not seen it
-        # after READY_TRIES tries loads those rows after the wait instead.)
+        # has passed its own wait: the output projection's launch, which lowered ready, is done, and
+        # the routing program is running, so ready will rise; a program that has not seen it after
+        # READY_TRIES tries loads those rows after the wait instead.)
         seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
         tries = 0
         while (seen == 0) & (tries < READY_TRIES):

@@ -50,7 +50,7 @@ TARGET_PROGRAMS = 1024
 MAX_SPLITS = 16
 MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
 # Each program loads its first tile of keys and values, all but the newest key, before its PDL
-# wait (`_partition_kernel`); the benchmarks set it off (bench_one_token).
+# wait (`_partition_kernel`); the benchmarks set it off (bench_one_token, bench_step_knobs).
 keys_ahead = True
 
 

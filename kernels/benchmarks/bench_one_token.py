@@ -82,7 +82,7 @@ def _down_not_ahead(*args, ready=None, **kwargs):
     return fused_moe.down_per_slot(*args, **kwargs)
 
 
-def _keys_a_tile(keys: int):
+def keys_a_tile(keys: int):
     """`paged_attention._tile_config` with another tile of keys, its warps and stages as committed."""
     committed = paged_attention._tile_config
     return lambda head_dim, block_size: (max(block_size, keys),) + committed(head_dim, block_size)[1:]
@@ -98,7 +98,7 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
         ("expert tiles untuned (default shape)", [(fused_moe, "_tuned", lambda key: {})], True, topk),
         ("fold's expert GEMMs at 4 stages", [(folded_router, "FOLD_STAGES", 4)], True, topk),
         ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True, topk),
-        ("attention 128 keys a tile", [(paged_attention, "_tile_config", _keys_a_tile(128))], True, topk),
+        ("attention 128 keys a tile", [(paged_attention, "_tile_config", keys_a_tile(128))], True, topk),
         ("attention's keys loaded after the wait", [(paged_attention, "keys_ahead", False)], True, topk),
         ("no PDL", [], False, topk),
         ("no weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 0.0)], True, topk),

@@ -29,16 +29,10 @@ from zipmoe.kernels import dependent_launch, folded_router, fused_moe, paged_att
 from zipmoe.kernels.fused_moe import MoeConfig
 
 from .bench_kernels import print_row, row
-from .bench_one_token import capture_with
+from .bench_one_token import capture_with, keys_a_tile
 from .timing import cuda_time_us
 
 BATCH_1 = ((1, 256), (1, 4096))
-
-
-def _tile(keys: int):
-    """`paged_attention._tile_config` with `keys` a tile, its warps and stages as committed."""
-    committed = paged_attention._tile_config
-    return lambda head_dim, block_size: (max(block_size, keys),) + committed(head_dim, block_size)[1:]
 
 
 def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
@@ -60,10 +54,10 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
     return {
         "attention": (((1, 256), (1, 4096), (16, 256), (16, 2048), (64, 256), (64, 1024)), [
             ("committed (64 keys, first tile ahead)", []),
-            ("128 keys, first tile ahead", [(paged_attention, "_tile_config", _tile(128))]),
-            ("128 keys, after the wait", [(paged_attention, "_tile_config", _tile(128)), after]),
+            ("128 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(128))]),
+            ("128 keys, after the wait", [(paged_attention, "_tile_config", keys_a_tile(128)), after]),
             ("64 keys, after the wait", [after]),
-            ("32 keys, first tile ahead", [(paged_attention, "_tile_config", _tile(32))]),
+            ("32 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(32))]),
             ("committed again", []),
         ]),
         "tiles": (BATCH_1, [
