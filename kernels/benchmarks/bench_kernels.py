@@ -29,7 +29,7 @@ The row format, `row` and `print_row`, is shared with those modules.
   finished.
 - prefill: the same engine prefilling 30 images' visual tokens (256 merged tokens each) at keep
   1.0 and 0.6 plus 64 text tokens, to the first token.
-Writes OUT.json ({"device", "copy_gbps", "rows": [...]}) and OUT.png.
+Writes OUT.json ({"device", "copy_gbps", "rows": [...]}) and OUT.png (`plots.py`: a panel per kind of row).
 """
 from __future__ import annotations
 
