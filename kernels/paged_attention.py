@@ -151,11 +151,12 @@ def _partition_kernel(
     # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
                 mask=store[:, None], other=0.0)
-    late = (pos < end) & ~early
-    k_late, v_late = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, late, d, stride_ks, stride_kh,
-                                      stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
-    k = tl.where(late[:, None], k_late, k)
-    v = tl.where(late[:, None], v_late, v)
+    if AHEAD:  # the newest key and value, which the launch before wrote, into their place
+        newest = (pos < end) & (pos == ctx - 1)
+        k_new, v_new = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, newest, d, stride_ks,
+                                        stride_kh, stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+        k = tl.where(newest[:, None], k_new, k)
+        v = tl.where(newest[:, None], v_new, v)
     # Every tile visited holds at least one key of the context, so m_i is finite after the first.
     m_i, l_i, acc = _attend(q, k, v, pos < end, tl.full([GROUP_PAD], float("-inf"), tl.float32),
                             tl.zeros([GROUP_PAD], tl.float32), tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32), qk_scale,

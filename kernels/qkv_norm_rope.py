@@ -101,12 +101,11 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
     # The split's first FIRST columns in one step; LOAD_AHEAD: their weights loaded ahead of the wait
     # (no kernel before writes them), while the launch before still runs.
     first = start + tl.arange(0, FIRST)
+    if not LOAD_AHEAD:
+        wait_for_inputs(PDL)
+    w_first = tl.load(w_rows + first[None, :], mask=first[None, :] < K, other=0.0)
     if LOAD_AHEAD:
-        w_first = tl.load(w_rows + first[None, :], mask=first[None, :] < K, other=0.0)
         wait_for_inputs(PDL)
-    else:
-        wait_for_inputs(PDL)
-        w_first = tl.load(w_rows + first[None, :], mask=first[None, :] < K, other=0.0)
     acc, squares = _qkv_step(w_first, first, acc, squares, x_ptr, h_ptr, delta_ptr, norm_ptr, h_out_ptr, rows, head,
                              T, K, ADD_NORM, SLOTS, DOT_PRECISION)
     for k0 in range(start + FIRST, end, BLOCK_K):
