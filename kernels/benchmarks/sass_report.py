@@ -1,0 +1,160 @@
+"""Registers, spills and shared memory of the batch-1 decode step's Triton kernels, compiled for a
+Hopper GPU (sm_90) on any machine, a GPU or none: what a kernel change does to them, read before
+a GPU run.
+
+    python -m zipmoe.kernels.benchmarks.sass_report [--patch paged_attention.MERGE_AT_ONCE=16]
+        [--device-name "NVIDIA H100 80GB HBM3"] [--out report.json]
+
+Each kernel is launched once as the engine launches it at Qwen3-30B-A3B's shape (the ops called
+with CPU tensors that are never read), its kernel object swapped for one that records the launch
+(`_Recorder`). Triton's own launch binder then gives the signature and specialisation a GPU launch
+would get (16-byte-aligned pointers and multiples of 16 marked so, PDL on), and Triton compiles it
+for sm_90 with the ptxas its wheel ships; `cuobjdump` reads the registers, stack (spills) and local
+loads and stores back. The expert GEMMs take the tuned tile shapes of --device-name
+(`fused_moe_configs.json`). A kernel that spills is slower than its loads say: the 128-key
+attention tile loaded ahead of its wait spills (191 local loads and stores) and was measured slower
+(docs/PERFORMANCE.md, session 38), the 64-key one does not.
+
+The kernels run in Triton's interpreter on machines without CUDA (`zipmoe/kernels/__init__.py`), so
+this module runs itself again with the interpreter off when it finds it on.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+H, A, HQ, HKV, D, E, I, TOP_K = 2048, 4096, 32, 4, 128, 128, 768, 8  # Qwen3-30B-A3B's decoder
+BLOCK, CONTEXT_BLOCKS = 16, 256  # a 4,096-token table
+TARGET_ARCH = 90
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch and runs nothing."""
+
+    def __init__(self, name: str, fn, launches: list):
+        self.name, self.fn, self.launches = name, fn, launches
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            if "PDL" in kwargs:
+                kwargs.update(PDL=True, launch_pdl=True)  # as on a Hopper GPU
+            self.launches.append((self.name, self.fn, args, kwargs))
+        return record
+
+
+def _step_launches() -> list:
+    """(name, kernel, args, kwargs) of each kernel of a batch-1 decode layer, as the ops launch them."""
+    from zipmoe.kernels import folded_router, fused_moe, paged_attention, qkv_norm_rope
+    launches: list = []
+    kernels = [(qkv_norm_rope, "_qkv_norm_rope_kernel"), (paged_attention, "_partition_kernel"),
+               (folded_router, "_out_proj_logits_kernel"), (folded_router, "_routed_gate_up_kernel"),
+               (fused_moe, "_down_kernel")]
+    saved = [(module, name, getattr(module, name)) for module, name in kernels]
+    try:
+        for module, name, fn in saved:
+            setattr(module, name, _Recorder(name, fn, launches))
+        bf16 = dict(dtype=torch.bfloat16)
+        slots = CONTEXT_BLOCKS * BLOCK
+        k_cache, v_cache = (torch.empty(slots, HKV, D, **bf16) for _ in range(2))
+        h, delta = torch.empty(1, H, **bf16), torch.empty(1, TOP_K, H, **bf16)
+        cos, sin = torch.empty(1, D, **bf16), torch.empty(1, D, **bf16)
+        qkv_norm_rope.fused_add_norm_qkv(h, delta, torch.empty(H, **bf16), torch.empty((HQ + 2 * HKV) * D, H, **bf16),
+                                         torch.empty(D, **bf16), torch.empty(D, **bf16), cos, sin, k_cache, v_cache,
+                                         torch.zeros(1, dtype=torch.int64), 1e-6, HQ, HKV)
+        tables = torch.arange(CONTEXT_BLOCKS, dtype=torch.int32)[None]
+        paged_attention.paged_decode_attention(torch.empty(1, HQ, D, **bf16), k_cache, v_cache, tables,
+                                               torch.tensor([256], dtype=torch.int32), BLOCK, D ** -0.5)
+        folded_router.folded_moe(h, torch.empty(1, A, **bf16), torch.empty(H, A, **bf16), torch.empty(H, **bf16),
+                                 torch.empty(E, H, **bf16), torch.empty(E, H, **bf16), torch.empty(E, A, **bf16),
+                                 torch.empty(E, 2 * I, H, **bf16), torch.empty(E, H, I, **bf16), TOP_K, True, TOP_K,
+                                 True, None, 1e-6)
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+    return launches
+
+
+def _cuobjdump() -> Path:
+    import triton
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def compile_for_hopper(fn, args: tuple, kwargs: dict):
+    """Triton's compile of fn for sm_90 with the signature and specialisation its launch binder gives
+    these arguments on a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", TARGET_ARCH, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resources(compiled) -> dict:
+    """Registers a thread, stack bytes (spills), local loads and stores, shared memory bytes."""
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sass_report_{os.getpid()}.cubin"
+    path.write_bytes(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        path.unlink()
+    field = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+    return {"registers": field["REG"], "stack_bytes": field["STACK"],
+            "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)), "shared_bytes": compiled.metadata.shared}
+
+
+def report(patches: list[str], device_name: str) -> list[dict]:
+    """One row a kernel of the batch-1 layer, with `patches` ("module.NAME=json value") applied
+    while the kernels are launched, and the expert GEMMs at device_name's tuned tiles."""
+    from zipmoe.kernels import fused_moe
+    settings = [(fused_moe, "config_key", lambda e, h, i: f"{device_name},E={e},H={h},I={i}")]
+    for patch in patches:
+        target, value = patch.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        settings.append((importlib.import_module(f"zipmoe.kernels.{module}"), name, json.loads(value)))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in settings]
+    try:
+        for obj, name, value in settings:
+            setattr(obj, name, value)
+        launches = _step_launches()
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+    return [{"kernel": name, "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3),
+             **resources(compile_for_hopper(fn, args, kwargs))} for name, fn, args, kwargs in launches]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--patch", action="append", default=[], help="module.NAME=json value, e.g. "
+                        "paged_attention.MERGE_AT_ONCE=16 (a module of zipmoe.kernels)")
+    parser.add_argument("--device-name", default="NVIDIA H100 80GB HBM3",
+                        help="whose tuned expert tiles to take (a key of fused_moe_configs.json)")
+    parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = report(args.patch, args.device_name)
+    print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9}")
+    for r in rows:
+        print(f"{r['kernel']:26} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>8} "
+              f"{r['local_ops']:>9} {r['shared_bytes']:>9}")
+    if args.out:
+        args.out.write_text(json.dumps({"arch": f"sm_{TARGET_ARCH}", "patches": args.patch, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":  # set by zipmoe.kernels on a machine without CUDA
+        os.execve(sys.executable, [sys.executable, "-m", "zipmoe.kernels.benchmarks.sass_report", *sys.argv[1:]],
+                  {**os.environ, "TRITON_INTERPRET": "0"})
+    main()
