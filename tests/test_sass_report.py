@@ -34,3 +34,11 @@ def test_a_patch_changes_the_kernel_it_reaches(tmp_path):
     none = {r["kernel"]: r for r in _report(tmp_path, "--patch", "dependent_launch.load_ahead=0.0")["rows"]}
     assert none["_down_kernel"]["registers"] < ahead["_down_kernel"]["registers"]
     assert none["_routed_gate_up_kernel"] == ahead["_routed_gate_up_kernel"]
+
+
+def test_a_patch_of_a_name_the_module_lacks_is_refused():
+    """A misspelt knob would otherwise be set as a new attribute and change nothing."""
+    run = subprocess.run([sys.executable, "-m", "zipmoe.kernels.benchmarks.sass_report", "--patch",
+                          "paged_attention.NO_SUCH_KNOB=1"], env={**os.environ, "TRITON_INTERPRET": "0"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "zipmoe.kernels.paged_attention has no NO_SUCH_KNOB" in run.stderr

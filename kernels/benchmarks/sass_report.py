@@ -2,18 +2,20 @@
 Hopper GPU (sm_90) on any machine, a GPU or none: what a kernel change does to them, read before
 a GPU run.
 
-    python -m zipmoe.kernels.benchmarks.sass_report [--patch paged_attention.MERGE_AT_ONCE=16]
+    python -m zipmoe.kernels.benchmarks.sass_report [--patch dependent_launch.load_ahead=0.0]
         [--device-name "NVIDIA H100 80GB HBM3"] [--out report.json]
 
-Each kernel is launched once as the engine launches it at Qwen3-30B-A3B's shape (the ops called
-with CPU tensors that are never read), its kernel object swapped for one that records the launch
-(`_Recorder`). Triton's own launch binder then gives the signature and specialisation a GPU launch
-would get (16-byte-aligned pointers and multiples of 16 marked so, PDL on), and Triton compiles it
-for sm_90 with the ptxas its wheel ships; `cuobjdump` reads the registers, stack (spills) and local
-loads and stores back. The expert GEMMs take the tuned tile shapes of --device-name
-(`fused_moe_configs.json`). A kernel that spills is slower than its loads say: the 128-key
-attention tile loaded ahead of its wait spills (191 local loads and stores) and was measured slower
-(docs/PERFORMANCE.md, session 38), the 64-key one does not.
+Each kernel is launched once as the engine launches it at Qwen3-30B-A3B's shape (the config of
+`zipmoe.serve.REAL_SHAPE_CHECKPOINT`; the ops called with CPU tensors that are never read), its
+kernel object swapped for one that records the launch (`_Recorder`). Triton's own launch binder
+then gives the signature and specialisation a GPU launch would get (16-byte-aligned pointers and
+multiples of 16 marked so, PDL on), and Triton compiles it for sm_90 with the ptxas its wheel
+ships; `cuobjdump` reads the registers, stack (spills) and local loads and stores back. The expert
+GEMMs take the tuned tile shapes of --device-name (`fused_moe_configs.json`). A kernel that spills
+is slower than its loads say: the 128-key attention tile loaded ahead of its wait spills (191
+local loads and stores) and was measured slower (docs/PERFORMANCE.md, session 38), the 64-key one
+does not. It also catches what Triton's interpreter lets through, such as a name that both
+branches of a runtime `if` assign at different shapes.
 
 The kernels run in Triton's interpreter on machines without CUDA (`zipmoe/kernels/__init__.py`), so
 this module runs itself again with the interpreter off when it finds it on.
@@ -29,9 +31,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tempfile
+
 import torch
 
-H, A, HQ, HKV, D, E, I, TOP_K = 2048, 4096, 32, 4, 128, 128, 768, 8  # Qwen3-30B-A3B's decoder
+from zipmoe.checkpoint import TextConfig
+from zipmoe.serve import REAL_SHAPE_CHECKPOINT
+
 BLOCK, CONTEXT_BLOCKS = 16, 256  # a 4,096-token table
 TARGET_ARCH = 90
 
@@ -58,6 +64,9 @@ def _step_launches() -> list:
                (folded_router, "_out_proj_logits_kernel"), (folded_router, "_routed_gate_up_kernel"),
                (fused_moe, "_down_kernel")]
     saved = [(module, name, getattr(module, name)) for module, name in kernels]
+    cfg = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)  # Qwen3-VL-30B-A3B's text decoder
+    H, HQ, HKV, D, E, TOP_K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k
+    A, I = HQ * D, cfg.moe_intermediate_size
     try:
         for module, name, fn in saved:
             setattr(module, name, _Recorder(name, fn, launches))
@@ -103,13 +112,11 @@ def compile_for_hopper(fn, args: tuple, kwargs: dict):
 
 def resources(compiled) -> dict:
     """Registers a thread, stack bytes (spills), local loads and stores, shared memory bytes."""
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"sass_report_{os.getpid()}.cubin"
-    path.write_bytes(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", path], capture_output=True, text=True, check=True).stdout
-    finally:
-        path.unlink()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage, sass = (subprocess.run([_cuobjdump(), flag, cubin.name], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("-res-usage", "-sass"))
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
     return {"registers": field["REG"], "stack_bytes": field["STACK"],
             "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)), "shared_bytes": compiled.metadata.shared}
@@ -123,7 +130,10 @@ def report(patches: list[str], device_name: str) -> list[dict]:
     for patch in patches:
         target, value = patch.split("=", 1)
         module, name = target.rsplit(".", 1)
-        settings.append((importlib.import_module(f"zipmoe.kernels.{module}"), name, json.loads(value)))
+        obj = importlib.import_module(f"zipmoe.kernels.{module}")
+        if not hasattr(obj, name):
+            raise ValueError(f"--patch {patch}: zipmoe.kernels.{module} has no {name}")
+        settings.append((obj, name, json.loads(value)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in settings]
     try:
         for obj, name, value in settings:
@@ -139,7 +149,7 @@ def report(patches: list[str], device_name: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--patch", action="append", default=[], help="module.NAME=json value, e.g. "
-                        "paged_attention.MERGE_AT_ONCE=16 (a module of zipmoe.kernels)")
+                        "dependent_launch.load_ahead=0.0 (a module of zipmoe.kernels, a name it has)")
     parser.add_argument("--device-name", default="NVIDIA H100 80GB HBM3",
                         help="whose tuned expert tiles to take (a key of fused_moe_configs.json)")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
