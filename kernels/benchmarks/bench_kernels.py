@@ -233,8 +233,8 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
             after = engine.routing_stats.snapshot()
             union = (after["union_after"] - before["union_after"]) / (after["layer_steps"] - before["layer_steps"])
             async_us = pipelined_step_us(engine, steps)
-            bucket = next(b for b in engine.runner.graphs.buckets if b >= B)
-            replay_us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=2, reps=10)
+            graphs = engine.runner.graphs
+            replay_us = cuda_time_us(graphs.graphs[graphs.bucket(B)].replay, warmup=2, reps=10)
             context = prompt + 3 + steps  # at the end of the timed plain steps; the async ones ran after them
             for impl, us, ctx in (("engine_step", statistics.median(times), context),
                                   ("engine_step_async", async_us, context + 1 + steps),

@@ -28,6 +28,9 @@ the q/k/v kernel's and the router's splits of the input width: docs/PERFORMANCE.
 """
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 
@@ -115,15 +118,10 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
 def capture_with(engine, patches: list, pdl: bool, policy: RoutingPolicy) -> None:
     """The engine's graphs captured again with each (object, attribute, value) of patches set and
     PDL on or off; the attributes restored after (the graphs keep what they captured)."""
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
-    try:
+    with contextlib.ExitStack() as patched, dependent_launch.enabled_as(pdl):
         for obj, attr, value in patches:
-            setattr(obj, attr, value)
-        with dependent_launch.enabled_as(pdl):
-            engine.set_routing_policy(policy)
-    finally:
-        for obj, attr, value in saved:
-            setattr(obj, attr, value)
+            patched.enter_context(mock.patch.object(obj, attr, value))
+        engine.set_routing_policy(policy)
 
 
 def bench_step_variants(engine, steps: int = 40) -> list[dict]:

@@ -102,8 +102,8 @@ def bench_step_knobs(engine, sets: list[str]) -> list[dict]:
                     engine.step()
                 for _ in range(3):
                     engine.step()
-                bucket = next(b for b in engine.runner.graphs.buckets if b >= batch)
-                us = cuda_time_us(engine.runner.graphs.graphs[bucket].replay, warmup=3, reps=20)
+                graphs = engine.runner.graphs
+                us = cuda_time_us(graphs.graphs[graphs.bucket(batch)].replay, warmup=3, reps=20)
                 rows.append(row("step_knob", "graph_replay", batch, us, 0, f"{name}: {variant}", context=prompt))
                 print_row(rows[-1])
                 for s in seqs:

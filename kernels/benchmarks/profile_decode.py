@@ -55,7 +55,7 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
         engine.step()
     for _ in range(3):
         engine.step()  # the graph's inputs now hold a real decode batch of this size
-    bucket = next(b for b in engine.runner.graphs.buckets if b >= batch)
+    bucket = engine.runner.graphs.bucket(batch)
     graph = engine.runner.graphs.graphs[bucket]
     replay_us = cuda_time_us(graph.replay, warmup=2, reps=10)
     torch.cuda.synchronize()

@@ -23,6 +23,7 @@ this module runs itself again with the interpreter off when it finds it on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -30,6 +31,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import tempfile
 
@@ -63,13 +65,12 @@ def _step_launches() -> list:
     kernels = [(qkv_norm_rope, "_qkv_norm_rope_kernel"), (paged_attention, "_partition_kernel"),
                (folded_router, "_out_proj_logits_kernel"), (folded_router, "_routed_gate_up_kernel"),
                (fused_moe, "_down_kernel")]
-    saved = [(module, name, getattr(module, name)) for module, name in kernels]
     cfg = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)  # Qwen3-VL-30B-A3B's text decoder
     H, HQ, HKV, D, E, TOP_K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k
     A, I = HQ * D, cfg.moe_intermediate_size
-    try:
-        for module, name, fn in saved:
-            setattr(module, name, _Recorder(name, fn, launches))
+    with contextlib.ExitStack() as recorded:
+        for module, name in kernels:
+            recorded.enter_context(mock.patch.object(module, name, _Recorder(name, getattr(module, name), launches)))
         bf16 = dict(dtype=torch.bfloat16)
         slots = CONTEXT_BLOCKS * BLOCK
         k_cache, v_cache = (torch.empty(slots, HKV, D, **bf16) for _ in range(2))
@@ -85,9 +86,6 @@ def _step_launches() -> list:
                                  torch.empty(E, H, **bf16), torch.empty(E, H, **bf16), torch.empty(E, A, **bf16),
                                  torch.empty(E, 2 * I, H, **bf16), torch.empty(E, H, I, **bf16), TOP_K, True, TOP_K,
                                  True, None, 1e-6)
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
     return launches
 
 
@@ -134,14 +132,10 @@ def report(patches: list[str], device_name: str) -> list[dict]:
         if not hasattr(obj, name):
             raise ValueError(f"--patch {patch}: zipmoe.kernels.{module} has no {name}")
         settings.append((obj, name, json.loads(value)))
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in settings]
-    try:
+    with contextlib.ExitStack() as patched:
         for obj, name, value in settings:
-            setattr(obj, name, value)
+            patched.enter_context(mock.patch.object(obj, name, value))
         launches = _step_launches()
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
     return [{"kernel": name, "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3),
              **resources(compile_for_hopper(fn, args, kwargs))} for name, fn, args, kwargs in launches]
 

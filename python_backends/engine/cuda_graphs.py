@@ -110,6 +110,10 @@ class DecodeGraphs:
         print(f"decode graphs: {len(self.buckets)} buckets of up to {self.max_rows} rows ({prompt} for prompt rows "
               f"above {self.max_batch}), {(torch.cuda.memory_reserved(dev) - reserved) / 2**20:.0f} MiB", flush=True)
 
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket that holds a step of `rows` rows: its graph is graphs[bucket(rows)]."""
+        return next(b for b in self.buckets if b >= rows)
+
     @property
     def max_rows(self) -> int:
         """The largest step of prompt rows."""
@@ -127,7 +131,7 @@ class DecodeGraphs:
         rows only, at most max_batch of them) and the routing of the whole bucket (padding rows after
         the B real ones); valid until the next run. Above max_batch rows logit_rows is required."""
         B = input_ids.shape[0]
-        b = next(s for s in self.buckets if s >= B)
+        b = self.bucket(B)
         if b > self.max_batch and (logit_rows is None or len(logit_rows) > self.max_batch):
             raise ValueError(f"a step of {B} prompt rows samples at most {self.max_batch} rows, got {logit_rows}")
         if logit_rows is not None:
