@@ -31,7 +31,12 @@ Why it is shaped this way:
   after the wait into its place. That, with 64 keys a tile (a tile of 128 held in registers
   across the wait made the step slower than none ahead), made the batch-1 step 4 % faster and the
   batch-64 one 3 % than 128 keys after the wait, the choice before (graph replay on an H100,
-  session 38: docs/PERFORMANCE.md).
+  session 38: docs/PERFORMANCE.md). After the wait a program asks for that key and value and for
+  q at once, their slot looked up before it (session 39: three waits on L2 there were one; not
+  yet timed).
+- The last program of a split context merges the splits MERGE_AT_ONCE a round, loading their
+  partials together (session 39, not yet timed; a loop of one split at a time waited on L2 once
+  per split).
 """
 from __future__ import annotations
 
@@ -78,12 +83,16 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 @triton.jit
-def _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, load, d, stride_ks, stride_kh, stride_vs, stride_vh,
-                     stride_tb, BLOCK_SIZE: tl.constexpr):
-    """The keys and values at context positions pos of one sequence and kv head, where `load`
-    ([BLOCK_N, HEAD_DIM] tiles; zeros elsewhere, nothing read there)."""
+def _slots(tables_ptr, seq, pos, load, stride_tb, BLOCK_SIZE: tl.constexpr):
+    """The cache slots of one sequence's context positions pos, where `load` (0 elsewhere, nothing read)."""
     block = tl.load(tables_ptr + seq.to(tl.int64) * stride_tb + pos // BLOCK_SIZE, mask=load, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    return block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def _keys_and_values(k_ptr, v_ptr, slot, kv_head, load, d, stride_ks, stride_kh, stride_vs, stride_vh):
+    """The keys and values at cache slots `slot` of one kv head, where `load` ([BLOCK_N, HEAD_DIM]
+    tiles; zeros elsewhere, nothing read there)."""
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=load[:, None], other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=load[:, None], other=0.0)
     return k, v
@@ -132,13 +141,14 @@ def _partition_kernel(
     # AHEAD: the first tile's keys and values but the newest are loaded before the wait, while the
     # q/k/v launch before still runs: the lengths and tables are copied in before the step, and the
     # only key a decode step writes is each sequence's newest, the one loaded after the wait.
+    # The tile's slots, the newest key's too, are looked up before the wait as well.
     pos = start + offs
+    slot = _slots(tables_ptr, seq, pos, pos < end, stride_tb, BLOCK_SIZE)
     if AHEAD:
         early = (pos < end) & (pos < ctx - 1)
     else:
         early = pos < end
-    k, v = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, early, d, stride_ks, stride_kh, stride_vs,
-                            stride_vh, stride_tb, BLOCK_SIZE)
+    k, v = _keys_and_values(k_ptr, v_ptr, slot, kv_head, early, d, stride_ks, stride_kh, stride_vs, stride_vh)
     if AHEAD:
         wait_for_inputs(PDL)
     q_heads = kv_head * GROUP + g
@@ -150,13 +160,14 @@ def _partition_kernel(
     if start >= ctx:
         return  # only the splits a context reaches check in
 
+    if AHEAD:  # the newest key and value, which the launch before wrote: asked for with q, one wait on L2
+        newest = (pos < end) & (pos == ctx - 1)
+        k_new, v_new = _keys_and_values(k_ptr, v_ptr, slot, kv_head, newest, d, stride_ks, stride_kh, stride_vs,
+                                        stride_vh)
     # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
                 mask=store[:, None], other=0.0)
-    if AHEAD:  # the newest key and value, which the launch before wrote, into their place
-        newest = (pos < end) & (pos == ctx - 1)
-        k_new, v_new = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, newest, d, stride_ks,
-                                        stride_kh, stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+    if AHEAD:  # into their place
         k = tl.where(newest[:, None], k_new, k)
         v = tl.where(newest[:, None], v_new, v)
     # Every tile visited holds at least one key of the context, so m_i is finite after the first.
@@ -165,8 +176,8 @@ def _partition_kernel(
                             DOT_PRECISION)
     for tile in range(start + BLOCK_N, end, BLOCK_N):
         pos = tile + offs
-        k, v = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, pos < end, d, stride_ks, stride_kh,
-                                stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+        k, v = _keys_and_values(k_ptr, v_ptr, _slots(tables_ptr, seq, pos, pos < end, stride_tb, BLOCK_SIZE), kv_head,
+                                pos < end, d, stride_ks, stride_kh, stride_vs, stride_vh)
         m_i, l_i, acc = _attend(q, k, v, pos < end, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     used = tl.cdiv(ctx, chunk)  # at most `splits`: the programs that check in
