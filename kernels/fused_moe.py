@@ -164,12 +164,12 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit
-def _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr):
-    """This program's tile: its expert (-1: unused tile), its slots, and which of them are real.
-    SLOT_TILES: tile g is slot g alone and tile_expert_ptr the slots' experts (no align; -1: a slot
-    the routing dropped)."""
+def _tile(tile_expert_ptr, tile_slots_ptr, S, read, BLOCK_M: tl.constexpr, SLOT_TILES: tl.constexpr):
+    """This program's tile: its expert (-1: unused tile; -1 too, nothing read, where `read` is
+    False), its slots, and which of them are real. SLOT_TILES: tile g is slot g alone and
+    tile_expert_ptr the slots' experts (no align; -1: a slot the routing dropped)."""
     g = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + g).to(tl.int64)
+    expert = tl.load(tile_expert_ptr + g, mask=read, other=-1).to(tl.int64)
     if SLOT_TILES:
         slots = tl.where(tl.arange(0, BLOCK_M) == 0, g, S)
     else:
@@ -207,7 +207,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
                     PRECISION: tl.constexpr, SLOT_TILES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pid_n = tl.program_id(1)
-    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
+    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, True, BLOCK_M, SLOT_TILES)
     if expert < 0:
         return
     tokens = (slots // TOP_K).to(tl.int64)
@@ -256,7 +256,11 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
         early = tl.load(tile_expert_ptr + tl.program_id(0), mask=seen != 0, other=-1).to(tl.int64)
         w_first = _expert_rows(w_ptr, early, cols, col_ok, first, H, I)
     wait_for_inputs(PDL)
-    expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, BLOCK_M, SLOT_TILES)
+    if AHEAD:  # the expert read before the wait (stored for good before ready rose) is not asked for again
+        expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, seen == 0, BLOCK_M, SLOT_TILES)
+        expert = tl.where(seen != 0, early, expert)
+    else:
+        expert, slots, valid = _tile(tile_expert_ptr, tile_slots_ptr, S, True, BLOCK_M, SLOT_TILES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     out_rows = out_ptr + slots[:, None].to(tl.int64) * H + cols[None, :]
     if expert < 0:

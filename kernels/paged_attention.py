@@ -31,7 +31,12 @@ Why it is shaped this way:
   after the wait into its place. That, with 64 keys a tile (a tile of 128 held in registers
   across the wait made the step slower than none ahead), made the batch-1 step 4 % faster and the
   batch-64 one 3 % than 128 keys after the wait, the choice before (graph replay on an H100,
-  session 38: docs/PERFORMANCE.md).
+  session 38: docs/PERFORMANCE.md). After the wait a program asks for that key and value and for
+  q at once, their slot looked up before it (session 39: three waits on L2 there were one; not
+  yet timed).
+- The last program of a split context merges the splits MERGE_AT_ONCE a round, loading their
+  partials together (session 39, not yet timed; a loop of one split at a time waited on L2 once
+  per split).
 """
 from __future__ import annotations
 
@@ -44,10 +49,12 @@ import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU
 import triton.language as tl
 
 # Programs one launch aims for (about 8 per SM of an H200): B x kv heads x splits, splits at most
-# MAX_SPLITS (the last program merges them one by one). At the 30B shape (4 kv heads): 16 splits
+# MAX_SPLITS (the last program merges them, MERGE_AT_ONCE a round). At the 30B shape (4 kv heads): 16 splits
 # up to B=16, 4 at B=64, 1 from B=256 on.
 TARGET_PROGRAMS = 1024
 MAX_SPLITS = 16
+# Splits the last program merges a round (`_merge_split`), their partials' loads in flight together.
+MERGE_AT_ONCE = 4
 MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
 # Each program loads its first tile of keys and values, all but the newest key, before its PDL
 # wait (`_partition_kernel`); the benchmarks set it off (bench_one_token, bench_step_knobs).
@@ -76,12 +83,16 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 @triton.jit
-def _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, load, d, stride_ks, stride_kh, stride_vs, stride_vh,
-                     stride_tb, BLOCK_SIZE: tl.constexpr):
-    """The keys and values at context positions pos of one sequence and kv head, where `load`
-    ([BLOCK_N, HEAD_DIM] tiles; zeros elsewhere, nothing read there)."""
+def _slots(tables_ptr, seq, pos, load, stride_tb, BLOCK_SIZE: tl.constexpr):
+    """The cache slots of one sequence's context positions pos, where `load` (0 elsewhere, nothing read)."""
     block = tl.load(tables_ptr + seq.to(tl.int64) * stride_tb + pos // BLOCK_SIZE, mask=load, other=0)
-    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    return block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def _keys_and_values(k_ptr, v_ptr, slot, kv_head, load, d, stride_ks, stride_kh, stride_vs, stride_vh):
+    """The keys and values at cache slots `slot` of one kv head, where `load` ([BLOCK_N, HEAD_DIM]
+    tiles; zeros elsewhere, nothing read there)."""
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=load[:, None], other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=load[:, None], other=0.0)
     return k, v
@@ -112,7 +123,7 @@ def _partition_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr,
-    PDL: tl.constexpr,
+    MERGE_AT_ONCE: tl.constexpr, PDL: tl.constexpr,
 ):
     if not AHEAD:
         wait_for_inputs(PDL)
@@ -130,13 +141,14 @@ def _partition_kernel(
     # AHEAD: the first tile's keys and values but the newest are loaded before the wait, while the
     # q/k/v launch before still runs: the lengths and tables are copied in before the step, and the
     # only key a decode step writes is each sequence's newest, the one loaded after the wait.
+    # The tile's slots, the newest key's too, are looked up before the wait as well.
     pos = start + offs
+    slot = _slots(tables_ptr, seq, pos, pos < end, stride_tb, BLOCK_SIZE)
     if AHEAD:
         early = (pos < end) & (pos < ctx - 1)
     else:
         early = pos < end
-    k, v = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, early, d, stride_ks, stride_kh, stride_vs,
-                            stride_vh, stride_tb, BLOCK_SIZE)
+    k, v = _keys_and_values(k_ptr, v_ptr, slot, kv_head, early, d, stride_ks, stride_kh, stride_vs, stride_vh)
     if AHEAD:
         wait_for_inputs(PDL)
     q_heads = kv_head * GROUP + g
@@ -148,13 +160,14 @@ def _partition_kernel(
     if start >= ctx:
         return  # only the splits a context reaches check in
 
+    if AHEAD:  # the newest key and value, which the launch before wrote: asked for with q, one wait on L2
+        newest = (pos < end) & (pos == ctx - 1)
+        k_new, v_new = _keys_and_values(k_ptr, v_ptr, slot, kv_head, newest, d, stride_ks, stride_kh, stride_vs,
+                                        stride_vh)
     # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
                 mask=store[:, None], other=0.0)
-    if AHEAD:  # the newest key and value, which the launch before wrote, into their place
-        newest = (pos < end) & (pos == ctx - 1)
-        k_new, v_new = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, newest, d, stride_ks,
-                                        stride_kh, stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+    if AHEAD:  # into their place
         k = tl.where(newest[:, None], k_new, k)
         v = tl.where(newest[:, None], v_new, v)
     # Every tile visited holds at least one key of the context, so m_i is finite after the first.
@@ -163,8 +176,8 @@ def _partition_kernel(
                             DOT_PRECISION)
     for tile in range(start + BLOCK_N, end, BLOCK_N):
         pos = tile + offs
-        k, v = _keys_and_values(k_ptr, v_ptr, tables_ptr, seq, kv_head, pos, pos < end, d, stride_ks, stride_kh,
-                                stride_vs, stride_vh, stride_tb, BLOCK_SIZE)
+        k, v = _keys_and_values(k_ptr, v_ptr, _slots(tables_ptr, seq, pos, pos < end, stride_tb, BLOCK_SIZE), kv_head,
+                                pos < end, d, stride_ks, stride_kh, stride_vs, stride_vh)
         m_i, l_i, acc = _attend(q, k, v, pos < end, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     used = tl.cdiv(ctx, chunk)  # at most `splits`: the programs that check in
@@ -180,20 +193,30 @@ def _partition_kernel(
         m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_run = tl.zeros([GROUP_PAD], tl.float32)
         out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for j in range(0, used):
-            # .cg: from L2, where the other programs' partials are, never this SM's L1. Padding
-            # rows read m = 0, so their weights stay finite (they are never stored).
-            m = tl.load(m_ptr + rows + j, mask=store, other=0.0, cache_modifier=".cg")
-            l = tl.load(l_ptr + rows + j, mask=store, other=0.0, cache_modifier=".cg")
-            a = tl.load(acc_ptr + (rows + j)[:, None] * HEAD_DIM + d[None, :], mask=store[:, None], other=0.0,
-                        cache_modifier=".cg")
-            m_new = tl.maximum(m_run, m)
-            w = tl.exp2(m - m_new)  # this split's log-sum-exp weight against the running max
-            scale_old = tl.exp2(m_run - m_new)
-            l_run = l_run * scale_old + w * l
-            out = out * scale_old[:, None] + w[:, None] * a
-            m_run = m_new
+        # MERGE_AT_ONCE splits a round, their loads written before any of their sums, so they are in
+        # flight together (one split at a time waited on L2 once per split: 16 times at a 4k context).
+        for first in range(0, used, MERGE_AT_ONCE):
+            for i in tl.static_range(MERGE_AT_ONCE):
+                m_run, l_run, out = _merge_split(m_ptr, l_ptr, acc_ptr, rows, first + i, used, store, d, m_run, l_run,
+                                                 out, HEAD_DIM)
         tl.store(out_rows, (out / tl.maximum(l_run, 1e-30)[:, None]).to(out_ptr.dtype.element_ty), mask=store[:, None])
+
+
+@triton.jit
+def _merge_split(m_ptr, l_ptr, acc_ptr, rows, j, used, store, d, m_run, l_run, out, HEAD_DIM: tl.constexpr):
+    """The running (max, sum, acc) of the log-sum-exp merge after split j (as it was past `used`)."""
+    # .cg: from L2, where the other programs' partials are, never this SM's L1. Padding rows read
+    # m = 0, so their weights stay finite (they are never stored). A split past `used` reads
+    # m = -inf: weight 0, the running max kept (a max raised to 0 would underflow the sums).
+    ok = store & (j < used)
+    m = tl.where(j < used, tl.load(m_ptr + rows + j, mask=ok, other=0.0, cache_modifier=".cg"), float("-inf"))
+    l = tl.load(l_ptr + rows + j, mask=ok, other=0.0, cache_modifier=".cg")
+    a = tl.load(acc_ptr + (rows + j)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0,
+                cache_modifier=".cg")
+    m_new = tl.maximum(m_run, m)
+    w = tl.exp2(m - m_new)  # this split's log-sum-exp weight against the running max
+    scale_old = tl.exp2(m_run - m_new)
+    return m_new, l_run * scale_old + w * l, out * scale_old[:, None] + w[:, None] * a
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, block_size):
@@ -265,7 +288,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", AHEAD=keys_ahead,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
+        MERGE_AT_ONCE=MERGE_AT_ONCE, num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     return out
 

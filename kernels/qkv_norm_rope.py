@@ -117,6 +117,13 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
     tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
     if ADD_NORM:
         tl.store(squares_ptr + head * MAX_SPLIT + split, squares)
+    # What the head's last step reads besides the partials, asked for by every program before it
+    # checks in: in flight during the check-in, where the last program, asking after it, waited on
+    # L2 once for them and once more behind each of the norm's reductions.
+    slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
+    w = tl.where(head < HQ, tl.load(qn_ptr + d[None, :]), tl.load(kn_ptr + d[None, :])).to(tl.float32)
+    cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
     if last_to_arrive(arrivals_ptr + head, split_count):
         x32 = sum_splits(partial_ptr, rows, cols, T, NCOLS, split_count, row_ok, MAX_SPLIT)
         if ADD_NORM:  # the norm's 1 / RMS, from the head's splits' sums of squares (they cover the row)
@@ -126,25 +133,18 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
             x32 = x32 * inverse_rms_of_squares(total, K, eps)
         dtype = q_out_ptr.dtype.element_ty
         x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
-        slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
         if head >= HQ + HKV:  # v: copied into the cache as is
             tl.store(vc_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :], x, mask=row_ok)
         else:
-            if head < HQ:
-                w = tl.load(qn_ptr + d).to(tl.float32)
-            else:
-                w = tl.load(kn_ptr + d).to(tl.float32)
             xr = x.to(tl.float32)
             inv = tl.rsqrt(tl.sum(xr * xr, axis=1) / D + eps)[:, None]
             # Round where PyTorch rounds, as qk_norm_rope_cache does: normalise (f32) -> dtype,
             # * weight -> dtype, then the rotation.
-            xn = (w[None, :] * (xr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            xn = (w * (xr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             # The rotate-half partner of column d is column (d + D/2) % D of the same normed head:
             # its two halves swapped in registers, not read again.
             pn = tl.reshape(tl.flip(tl.reshape(xn, [BLOCK_T, 2, HALF]), 1), [BLOCK_T, D])
             rotated = tl.where(d[None, :] < HALF, -pn, pn)
-            cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
             out = ((xn * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
             if head < HQ:
                 tl.store(q_out_ptr + (rows[:, None] * HQ + head) * D + d[None, :], out, mask=row_ok)

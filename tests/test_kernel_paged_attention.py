@@ -87,6 +87,22 @@ def test_paged_decode_attention_rescales_when_later_keys_dominate():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("merge_at_once", [1, 4, 16])
+def test_the_merge_keeps_a_running_max_far_below_zero(merge_at_once, monkeypatch):
+    """Scores all about -460 (base 2): the last program merges 6 splits MERGE_AT_ONCE a round, so a
+    round may run past the splits used; those must leave the running max where it is (raised to 0,
+    every weight would underflow to zero)."""
+    monkeypatch.setattr(paged_attention, "MERGE_AT_ONCE", merge_at_once)
+    lens = [5 * BLOCK + 3]
+    q, k, v, tables, ctx = make_case(lens, 1, 2, 16)
+    q = torch.ones_like(q)
+    k = -20.0 + 0.5 * k  # q.k about -320: every split's max far below zero
+    out = paged_decode_attention(q, k, v, tables, ctx, BLOCK, 1.0, 16)  # 7 splits of 16 keys, 6 used
+    ref = paged_decode_attention_reference(q, k, v, tables, ctx, BLOCK, 1.0)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_context_longer_than_its_table_is_read_as_far_as_the_table():
     """A bad context length (past what its table names) reads the table's keys, as the reference
     does, and leaves the arrival counters at zero: the launch after it is still right."""

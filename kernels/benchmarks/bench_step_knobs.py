@@ -10,8 +10,9 @@ committed choices first and last (so drift shows), the graphs captured again for
 every case routes the same prompts under every variant, so batches 16 and 64 read the same
 expert union throughout.
 - attention: the keys a tile of `paged_attention` (32, 64, 128) with and without the first tile
-  loaded ahead of its PDL wait (`paged_attention.keys_ahead`); batches 1, 16 and 64, contexts of
-  256 to 4,096 tokens.
+  loaded ahead of its PDL wait (`paged_attention.keys_ahead`), and the splits its last program
+  merges a round (`MERGE_AT_ONCE`: 1, 4, 16); batches 1, 16 and 64, contexts of 256 to 4,096
+  tokens.
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
   folded output projection's rows a program.
@@ -58,6 +59,8 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("128 keys, after the wait", [(paged_attention, "_tile_config", keys_a_tile(128)), after]),
             ("64 keys, after the wait", [after]),
             ("32 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(32))]),
+            ("merge one split a round", [(paged_attention, "MERGE_AT_ONCE", 1)]),
+            ("merge 16 splits a round", [(paged_attention, "MERGE_AT_ONCE", 16)]),
             ("committed again", []),
         ]),
         "tiles": (BATCH_1, [
