@@ -69,6 +69,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("experts 16x32x128, 4 warps, 2 stages", _experts(32, 128, 4, 2)),
             ("experts 16x32x128, 8 warps, 3 stages", _experts(32, 128, 8, 3)),
             ("experts 16x64x128, 4 warps, 3 stages", _experts(64, 128, 4, 3)),
+            ("experts 16x16x128, 4 warps, 3 stages (384 gate/up programs)", _experts(16, 128, 4, 3)),
             ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("q/k/v 4 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 4)]),
             ("q/k/v 16 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 16)]),
