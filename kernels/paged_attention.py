@@ -32,11 +32,11 @@ Why it is shaped this way:
   across the wait made the step slower than none ahead), made the batch-1 step 4 % faster and the
   batch-64 one 3 % than 128 keys after the wait, the choice before (graph replay on an H100,
   session 38: docs/PERFORMANCE.md). After the wait a program asks for that key and value and for
-  q at once, their slot looked up before it (session 39: three waits on L2 there were one; not
-  yet timed).
+  q at once, their slot looked up before it (session 39: three waits on L2 there were one).
 - The last program of a split context merges the splits MERGE_AT_ONCE a round, loading their
-  partials together (session 39, not yet timed; a loop of one split at a time waited on L2 once
-  per split).
+  partials together. One a round is the default: in the batch-1 step (256-token context, 4
+  splits) four a round was not faster (session 40, H100: docs/PERFORMANCE.md); the knob stays for
+  long contexts (16 splits), where bench_step_knobs' "attention" set times 4 and 16.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ import triton.language as tl
 TARGET_PROGRAMS = 1024
 MAX_SPLITS = 16
 # Splits the last program merges a round (`_merge_split`), their partials' loads in flight together.
-MERGE_AT_ONCE = 4
+MERGE_AT_ONCE = 1
 MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
 # Each program loads its first tile of keys and values, all but the newest key, before its PDL
 # wait (`_partition_kernel`); the benchmarks set it off (bench_one_token, bench_step_knobs).

@@ -20,11 +20,12 @@ projection, the router with the norm, and the experts as four launches); the exp
 tile shape where the device has a tuned one (`fused_moe.pick_config`), and the fold's at the
 tuned 4 stages (`folded_router.FOLD_STAGES`); the q/k/v launch's norm
 apart (two launches); the attention's keys a tile, its first tile loaded after its wait
-(`paged_attention.keys_ahead` off), and its merge one split a round (`MERGE_AT_ONCE` 1); the whole step without PDL; none and all of the q/k/v, output
-projection and down GEMM programs' weights loaded ahead of their wait (half is committed,
-`dependent_launch.load_ahead`); the down GEMM alone without; and SERE and OEA (`bench_kernels`'
-policies) with the router folded and apart. (Session 32 also timed the GEMV's rows a program and
-the q/k/v kernel's and the router's splits of the input width: docs/PERFORMANCE.md.)
+(`paged_attention.keys_ahead` off), and its merge four splits a round (`MERGE_AT_ONCE` 4); the
+whole step without PDL; none and all of the q/k/v, output projection and down GEMM programs'
+weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`); the down
+GEMM alone without; and SERE and OEA (`bench_kernels`' policies) with the router folded and apart.
+(Session 32 also timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of
+the input width: docs/PERFORMANCE.md.)
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
         ("norm apart from q/k/v", [(qkv_norm_rope, "fused_add_norm_qkv", _norm_apart)], True, topk),
         ("attention 128 keys a tile", [(paged_attention, "_tile_config", keys_a_tile(128))], True, topk),
         ("attention's keys loaded after the wait", [(paged_attention, "keys_ahead", False)], True, topk),
-        ("attention merging one split a round", [(paged_attention, "MERGE_AT_ONCE", 1)], True, topk),
+        ("attention merging four splits a round", [(paged_attention, "MERGE_AT_ONCE", 4)], True, topk),
         ("no PDL", [], False, topk),
         ("no weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 0.0)], True, topk),
         ("all weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 1.0)], True, topk),

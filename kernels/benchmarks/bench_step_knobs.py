@@ -59,7 +59,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("128 keys, after the wait", [(paged_attention, "_tile_config", keys_a_tile(128)), after]),
             ("64 keys, after the wait", [after]),
             ("32 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(32))]),
-            ("merge one split a round", [(paged_attention, "MERGE_AT_ONCE", 1)]),
+            ("merge 4 splits a round", [(paged_attention, "MERGE_AT_ONCE", 4)]),
             ("merge 16 splits a round", [(paged_attention, "MERGE_AT_ONCE", 16)]),
             ("committed again", []),
         ]),
