@@ -193,8 +193,8 @@ def _partition_kernel(
         m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_run = tl.zeros([GROUP_PAD], tl.float32)
         out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        # MERGE_AT_ONCE splits a round, their loads written before any of their sums, so they are in
-        # flight together (one split at a time waited on L2 once per split: 16 times at a 4k context).
+        # MERGE_AT_ONCE splits a round, their loads written before any of their sums, so above 1 they
+        # are in flight together (one at a time waits on L2 once per split: 16 times at a 4k context).
         for first in range(0, used, MERGE_AT_ONCE):
             for i in tl.static_range(MERGE_AT_ONCE):
                 m_run, l_run, out = _merge_split(m_ptr, l_ptr, acc_ptr, rows, first + i, used, store, d, m_run, l_run,
