@@ -119,11 +119,13 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
         tl.store(squares_ptr + head * MAX_SPLIT + split, squares)
     # What the head's last step reads besides the partials, asked for by every program before it
     # checks in: in flight during the check-in, where the last program, asking after it, waited on
-    # L2 once for them and once more behind each of the norm's reductions.
+    # L2 once for them and once more behind each of the norm's reductions. A v head reads the slot
+    # only; a q or k head its own norm's weight.
     slot = tl.load(slots_ptr + rows, mask=rows < T, other=0).to(tl.int64)
-    w = tl.where(head < HQ, tl.load(qn_ptr + d[None, :]), tl.load(kn_ptr + d[None, :])).to(tl.float32)
-    cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok, other=0.0).to(tl.float32)
+    normed = head < HQ + HKV
+    w = tl.load(tl.where(head < HQ, qn_ptr, kn_ptr) + d[None, :], mask=normed, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok & normed, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok & normed, other=0.0).to(tl.float32)
     if last_to_arrive(arrivals_ptr + head, split_count):
         x32 = sum_splits(partial_ptr, rows, cols, T, NCOLS, split_count, row_ok, MAX_SPLIT)
         if ADD_NORM:  # the norm's 1 / RMS, from the head's splits' sums of squares (they cover the row)
@@ -133,7 +135,7 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
             x32 = x32 * inverse_rms_of_squares(total, K, eps)
         dtype = q_out_ptr.dtype.element_ty
         x = x32.to(dtype)  # the projection's output, rounded as F.linear rounds it
-        if head >= HQ + HKV:  # v: copied into the cache as is
+        if not normed:  # v: copied into the cache as is
             tl.store(vc_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :], x, mask=row_ok)
         else:
             xr = x.to(tl.float32)

@@ -30,10 +30,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from unittest import mock
-
-import tempfile
 
 import torch
 
