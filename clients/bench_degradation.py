@@ -43,6 +43,7 @@ from zipmoe.clients.bench_common import parse_size, pct, rounded, synthetic_jpeg
 from zipmoe.clients.bench_serving import add_server_arguments
 from zipmoe.clients.checkpoint_paths import display_path, resolve_checkpoint
 from zipmoe.clients.triton_client import ServerBusy, ServerError, grpc_generate_async, scrape_metrics
+from zipmoe.plotting import pyplot, write_plot
 
 MODES = ("fixed", "adaptive")
 QUESTION = "What do these notes say? Answer briefly."
@@ -158,12 +159,9 @@ def run_mode(args, mode: str, checkpoint: Path | None) -> dict:
 def plot(result: dict, path: Path) -> bool:
     """Per mode, left: TTFT of each answered request against its send time (colour: priority), the
     target dashed; right: requests in flight (client) and waiting (server), the level on its own axis."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     modes = result["modes"]
     fig, axes = plt.subplots(len(modes), 2, figsize=(13, 4 * len(modes)), squeeze=False)
@@ -237,7 +235,7 @@ def main(argv=None) -> int:
             out.with_name(out.name + ".json").write_text(json.dumps(result, indent=1) + "\n")
     if out is not None:
         print(f"wrote {out.with_name(out.name + '.json')}")
-        report.write_plot(result, out.with_name(out.name + ".png"), plot)
+        write_plot(result, out.with_name(out.name + ".png"), plot)
     return 0
 
 

@@ -69,6 +69,7 @@ from zipmoe.clients.eval_quality import routing_effect
 from zipmoe.clients.server_breakdown import STAGES, breakdown, decode_phases, diff, model_stats, settled
 from zipmoe.clients.trace_timeline import median_segments, read, requests, server_args
 from zipmoe.clients.triton_client import ServerError, scrape_metrics
+from zipmoe.plotting import write_plot
 
 BENCHES = ("ttft_30img", "image_decode", "tpot_c1", "mixed", "mixed_text")
 
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
     save()
     if out is not None:
         print(f"wrote {out.with_name(out.name + '.json')}")
-        report.write_plot(result, out.with_name(out.name + ".png"))
+        write_plot(result, out.with_name(out.name + ".png"), report.plot)
     return 0
 
 

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from zipmoe.clients.trace_timeline import longest
+from zipmoe.plotting import pyplot, write_plot
 
 TAIL = 90  # the ITL plot shows percentiles TAIL..100
 PARTS = ("preprocess", "image_decode", "vision_forward", "visionzip", "vision_encoder", "decoder_ttft", "postprocess")
@@ -59,12 +60,9 @@ def table(result: dict) -> str:
 def plot(result: dict, path: Path) -> bool:
     """Left: TTFT p50 per image size and keep ratio, the server's parts (means) stacked, "other" the rest
     of the p50. Right: the mixed bench's ITL distribution. False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     ttft = [r for r in result["rows"] if r["bench"] == "ttft_30img" and r["ttft_ms_p50"] is not None]
@@ -106,12 +104,6 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def write_plot(result: dict, path: Path, plotter=None) -> None:
-    """plotter (default: this module's plot) to path, saying what became of it."""
-    drew = (plotter or plot)(result, path)
-    print(f"wrote {path}" if drew else "matplotlib not importable (pip install zipmoe[bench]): no plot")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zipmoe.clients.bench_serving_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     out = prefix(args.out or args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_plot(result, out.with_name(out.name + ".png"))
+    write_plot(result, out.with_name(out.name + ".png"), plot)
     return 0
 
 

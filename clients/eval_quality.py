@@ -40,6 +40,7 @@ from zipmoe.clients.checkpoint_paths import REPO, display_path, ensure_sere, res
 from zipmoe.clients.eval_quality_report import DEFAULT_BUDGET, plot, row_label
 from zipmoe.clients.server_breakdown import settled
 from zipmoe.clients.triton_client import counter_deltas, scrape_metrics
+from zipmoe.plotting import write_plot
 
 DEFAULT_OUT = REPO / "docs" / "results" / "quality"
 KINDS = ("dense", "plain")
@@ -353,10 +354,7 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
     if out is not None:
         print(f"wrote {json_path}")
         png = out.with_name(out.name + ".png")
-        if plot(result, png, ts.metric):
-            print(f"wrote {png}")
-        else:
-            print("matplotlib not importable (pip install zipmoe[bench]): no plot")
+        write_plot(result, png, lambda result, png: plot(result, png, ts.metric))
     return result
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zipmoe.plotting import pyplot
+
 DEFAULT_BUDGET = "distinct"  # vision_encoder's budget_weighting in model_repository
 
 
@@ -62,12 +64,9 @@ def table(result: dict) -> str:
 def plot(result: dict, path: Path, metric: str = "accuracy") -> bool:
     """Bar charts of the rows' `metric` (accuracy, or v2's f1): (a) keep ratios at topk, one bar per
     budget weighting, (b) routings at keep 1.0. False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     topk = [r for r in result["rows"] if r["routing"] == "topk"]
     keeps = sorted({r["keep_ratio"] for r in topk}, reverse=True)

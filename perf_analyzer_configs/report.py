@@ -16,7 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from zipmoe.clients.bench_serving_report import fmt, prefix, write_plot
+from zipmoe.clients.bench_serving_report import fmt, prefix
+from zipmoe.plotting import pyplot, write_plot
 
 RATE_SHARE = 0.65  # of topk's maximum throughput: where the seed's 1,000-request run sits
 
@@ -80,12 +81,9 @@ def table(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> bool:
     """False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     curves: dict[str, list[dict]] = {}

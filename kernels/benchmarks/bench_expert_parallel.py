@@ -30,6 +30,8 @@ from zipmoe.engine.parallel_engine import make_engine
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.serve import REAL_SHAPE_CHECKPOINT
 
+from .timing import require_cuda
+
 PROMPT, WARMUP, STEPS = 256, 3, 24
 
 
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--policies", default="topk,oea")
     args = ap.parse_args(argv)
+    require_cuda(ap, args.device)
     batches = [int(b) for b in args.batches.split(",")]
     # One step at a time in every row: expert parallel never pipelines, so size 1 must not either.
     base = EngineConfig(device=args.device, load_format=args.load_format, num_kv_blocks=4096, max_model_len=2048,

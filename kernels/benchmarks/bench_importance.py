@@ -22,7 +22,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVis
 
 from zipmoe.kernels.attention_importance import patch_importance, patch_importance_reference
 
-from .timing import cuda_time_us, peak_bytes
+from .timing import cuda_time_us, peak_bytes, require_cuda
 
 # Qwen3-VL-30B-A3B-Instruct's vision_config.
 VISION_30B = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-forward", action="store_true", help="skip the vision-tower forward")
     p.add_argument("--out", type=Path, default=None, help="also write OUT.json")
     args = p.parse_args(argv)
+    require_cuda(p, args.device)
     rows = bench_importance(args.device, images=args.images, patches=args.patches, reps=max(20, args.reps),
                             forward=not args.no_forward)
     print(f"{torch.cuda.get_device_name()}: {args.images} images x {args.patches} patches, 16 heads, d=72, bf16")

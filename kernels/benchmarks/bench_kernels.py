@@ -53,9 +53,11 @@ from zipmoe.kernels.router import fused_router
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
 
 from zipmoe.checkpoint import TextConfig
+from zipmoe.plotting import write_plot
 from zipmoe.serve import REAL_SHAPE_CHECKPOINT
 
-from .timing import copy_gbps, cuda_time_us, graph_time_us
+from .plots import plot
+from .timing import copy_gbps, cuda_time_us, graph_time_us, require_cuda
 
 # Qwen3-VL-30B-A3B's text decoder, with dummy weights (zipmoe.dummy_weights: routing skewed as trained).
 CFG = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)
@@ -292,6 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     ap.add_argument("--knob-sets", default="attention,tiles,ahead", help="the step_knobs part's sets")
     args = ap.parse_args(argv)
+    require_cuda(ap)
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
     gbps = copy_gbps()
@@ -341,11 +344,7 @@ def main(argv=None) -> int:
         if "paged" in parts:
             from .bench_paged_attention import bench_paged_attention
             save(bench_paged_attention("cuda"))
-        try:
-            from .plots import plot
-            plot(result, out.with_suffix(".png"))
-        except ImportError:
-            print("matplotlib missing (pip install -e '.[bench]'): no PNG")
+        write_plot(result, out.with_suffix(".png"), plot)
     print(f"wrote {out.with_suffix('.json')}")
     return 0
 

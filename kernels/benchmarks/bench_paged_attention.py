@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from zipmoe.kernels.paged_attention import paged_decode_attention
 
-from .timing import graph_time_us
+from .timing import graph_time_us, require_cuda
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 BATCHES = (1, 16, 64)
@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
+    require_cuda(p, args.device)
     rows = bench_paged_attention(args.device)
     print(f"{'impl':12s} {'batch':>5s} {'context':>7s} {'table':>7s} {'time_us':>9s} {'MB read':>8s} {'GB/s':>7s}")
     for r in rows:

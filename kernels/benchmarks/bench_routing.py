@@ -24,6 +24,7 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, RoutingStats, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels.layer_ops import router_reference
+from zipmoe.plotting import pyplot, write_plot
 from zipmoe.prompt import ChatPrompt
 from zipmoe.sere_file import load_sere
 
@@ -138,14 +139,15 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        plot(result, args.out.with_suffix(".png"))
+        write_plot(result, args.out.with_suffix(".png"), plot)
     return 0
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(result: dict, path: Path) -> bool:
+    """Experts read per layer against batch, a line a policy; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
 
     fig, ax = plt.subplots(figsize=(8, 5))
     names = dict.fromkeys(r["policy"] for r in result["rows"])
@@ -162,6 +164,8 @@ def plot(result: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zipmoe.plotting import pyplot
+
 
 def _moe_panel(ax, rows: list[dict], copy: float, device: str) -> None:
     impls = sorted({r["impl"] for r in rows})
@@ -57,8 +59,9 @@ def _variants_panel(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
-def plot(result: dict, out: Path) -> None:
-    """Writes out (PNG) with a panel for each kind of row in result["rows"]; nothing if none."""
+def plot(result: dict, out: Path) -> bool:
+    """Writes out (PNG) with a panel for each kind of row in result["rows"]; False, and nothing
+    written, if there are none or matplotlib is missing."""
     def of(*benches: str) -> list[dict]:
         return [r for r in result["rows"] if r["bench"] in benches]
 
@@ -68,10 +71,10 @@ def plot(result: dict, out: Path) -> None:
         (_variants_panel, of("step_variant", "step_knob")),
     ) if chosen]
     if not panels:
-        return
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        return False
+    plt = pyplot()
+    if plt is None:
+        return False
 
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
     for ax, (draw, chosen) in zip(axes[0], panels):
@@ -79,3 +82,4 @@ def plot(result: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+    return True

@@ -30,13 +30,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.plotting import pyplot, write_plot
 
 from zipmoe.kernels import dependent_launch
 
 from zipmoe.engine.routing import RoutingPolicy
 
 from .bench_kernels import CFG, build_engine, random_sere
-from .timing import copy_gbps, cuda_time_us, wall_ms
+from .timing import copy_gbps, cuda_time_us, require_cuda, wall_ms
 
 REPLAYS = 10
 
@@ -139,10 +140,11 @@ def print_step(step: dict, top: int = 15) -> None:
               f"{r['kernel']}", flush=True)
 
 
-def plot(result: dict, out: Path, top: int = 10) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(result: dict, out: Path, top: int = 10) -> bool:
+    """Each profiled step's top kernels, a panel a step; False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return False
 
     steps = result["steps"]
     fig, axes = plt.subplots(1, len(steps), figsize=(7 * len(steps), 4.8), squeeze=False)
@@ -156,6 +158,8 @@ def plot(result: dict, out: Path, top: int = 10) -> None:
     fig.suptitle("one captured decode step, 48 layers, Qwen3-30B-A3B shape (dummy weights), H200")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def prompt_spec(text: str) -> tuple[int, int]:
@@ -174,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed-prompts", default="512",
                     help="that step's new prompt lengths, one row each; KxL: K prompts of L tokens together")
     args = ap.parse_args(argv)
+    require_cuda(ap)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": False, "steps": []}
@@ -193,7 +198,7 @@ def main(argv=None) -> int:
             for row in result["mixed"]:
                 print(f"\nmixed step: {row}", flush=True)
             out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    write_plot(result, out.with_suffix(".png"), plot)
     return 0
 
 

@@ -3,6 +3,7 @@ that spans the host and the device, the copy bandwidth that every achieved-bandw
 against, and the result file a benchmark writes."""
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -10,6 +11,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+def require_cuda(parser: argparse.ArgumentParser, device: str = "cuda") -> None:
+    """Stops a benchmark that times CUDA work, before it builds anything, with its usage and a plain
+    reason where the device it was given is a GPU this machine does not have."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"this benchmark times work on a CUDA GPU ({device}) and this machine has none "
+                     f"(torch {torch.__version__})")
 
 
 def cuda_time_us(fn: Callable[[], object], warmup: int = 3, reps: int = 20, flush_l2: bool = False) -> float:

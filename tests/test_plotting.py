@@ -1,0 +1,44 @@
+"""The benchmarks' and reports' optional PNGs (`zipmoe.plotting`) and the GPU benchmarks' refusal on
+a machine without CUDA (`timing.require_cuda`): a clear message, never a traceback after the work."""
+import importlib
+import sys
+
+import pytest
+import torch
+
+from zipmoe import plotting
+from zipmoe.kernels.benchmarks import plots
+
+
+def test_write_plot_without_matplotlib_says_so_and_draws_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert plotting.pyplot() is None
+    calls = []
+    plotting.write_plot({}, tmp_path / "x.png", lambda result, path: calls.append(path) or True)
+    assert calls == []
+    assert "matplotlib not importable" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the bench extra is not installed")
+def test_write_plot_says_wrote_only_when_the_plotter_drew(tmp_path, capsys):
+    plotting.write_plot({"rows": []}, tmp_path / "none.png", plots.plot)  # no row it draws
+    assert capsys.readouterr().out == "" and not (tmp_path / "none.png").exists()
+    rows = [{"bench": "step_variant", "impl": "graph_replay", "batch": 1, "time_us": 3000.0, "policy": "as committed"}]
+    plotting.write_plot({"rows": rows, "copy_gbps": 1.0, "device": "test"}, tmp_path / "one.png", plots.plot)
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "one.png").exists()
+
+
+def test_kernel_plots_draw_nothing_without_rows(tmp_path):
+    assert plots.plot({"rows": []}, tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("name", ["bench_kernels", "profile_decode", "bench_expert_parallel", "bench_importance",
+                                  "bench_paged_attention"])
+def test_gpu_benchmarks_stop_with_a_reason_without_cuda(name, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench = importlib.import_module(f"zipmoe.kernels.benchmarks.{name}")
+    with pytest.raises(SystemExit) as stopped:
+        bench.main([])
+    assert stopped.value.code == 2
+    assert "CUDA GPU" in capsys.readouterr().err
