@@ -27,6 +27,7 @@ is importable (the `bench` extra), and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -354,7 +355,7 @@ def run_eval(checkpoint: str | Path | None = None, split: str = "test", n: int =
     if out is not None:
         print(f"wrote {json_path}")
         png = out.with_name(out.name + ".png")
-        write_plot(result, png, lambda result, png: plot(result, png, ts.metric))
+        write_plot(result, png, functools.partial(plot, metric=ts.metric))
     return result
 
 
