@@ -33,12 +33,17 @@ Why it is shaped this way:
   batch-64 one 3 % than 128 keys after the wait, the choice before (graph replay on an H100,
   session 38: docs/PERFORMANCE.md). After the wait a program asks for that key and value and for
   q at once, their slot looked up before it (session 39: three waits on L2 there were one).
+  Only where the launch's programs are all resident at once (KEYS_AHEAD_PER_SM): a program that
+  holds its keys across the wait holds its multiprocessor too, and at batches 16 and 64 (1,024
+  programs) the step was 1-4 % faster with the keys loaded after the wait (session 42, H100).
 - The last program of a split context merges the splits MERGE_AT_ONCE a round, loading their
-  partials together. One a round is the default: in the batch-1 step (256-token context, 4
-  splits) four a round was not faster (session 40, H100: docs/PERFORMANCE.md); the knob stays for
-  long contexts (16 splits), where bench_step_knobs' "attention" set times 4 and 16.
+  partials together: four a round made the batch-1 step 1.3 % faster at a 4,096-token context (16
+  splits) and changed nothing measurable at 256 tokens or at batches 16 and 64 (session 42, H100;
+  sixteen a round was as fast at 4,096 tokens, 0.5 % slower at 256).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -54,11 +59,15 @@ import triton.language as tl
 TARGET_PROGRAMS = 1024
 MAX_SPLITS = 16
 # Splits the last program merges a round (`_merge_split`), their partials' loads in flight together.
-MERGE_AT_ONCE = 1
+MERGE_AT_ONCE = 4
 MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival counter each (256 kB)
 # Each program loads its first tile of keys and values, all but the newest key, before its PDL
-# wait (`_partition_kernel`); the benchmarks set it off (bench_one_token, bench_step_knobs).
+# wait (`_partition_kernel`), where the launch has at most KEYS_AHEAD_PER_SM programs per
+# multiprocessor (an H100 holds two of them, by their registers; at the 30B shape batch 1 has 64
+# programs, 4 has 256, 16 and 64 have 1,024); the benchmarks set it off (bench_one_token,
+# bench_step_knobs).
 keys_ahead = True
+KEYS_AHEAD_PER_SM = 2
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -245,6 +254,12 @@ def _tile_config(head_dim: int, block_size: int) -> tuple[int, int, int]:
     return max(block_size, 64), 4, 2
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors; without CUDA (the interpreter) as if every launch fit at once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1 << 30
+
+
 def num_splits(batch: int, kv_heads: int, table_len: int, tile: int) -> int:
     """Splits per (sequence, kv head): TARGET_PROGRAMS programs in all, at most MAX_SPLITS, and no
     more than the table has key tiles."""
@@ -287,7 +302,8 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         scale * 1.4426950408889634,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", AHEAD=keys_ahead,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        AHEAD=keys_ahead and B * Hkv * splits <= KEYS_AHEAD_PER_SM * _multiprocessors(q.device),
         MERGE_AT_ONCE=MERGE_AT_ONCE, num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     return out

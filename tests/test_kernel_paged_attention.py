@@ -100,7 +100,10 @@ def test_the_merge_keeps_a_running_max_far_below_zero(merge_at_once, monkeypatch
     out = paged_decode_attention(q, k, v, tables, ctx, BLOCK, 1.0, 16)  # 7 splits of 16 keys, 6 used
     ref = paged_decode_attention_reference(q, k, v, tables, ctx, BLOCK, 1.0)
     assert ref.abs().max() > 0.1
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Scores near -320 carry float32 rounding of about 3e-5 each into their exponentials, and the
+    # kernel (base 2) and the reference (base e) round differently: 1e-4 relative apart on some
+    # CPUs. The failure this guards against, every weight underflowing, is off by the whole output.
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-4)
 
 
 def test_a_context_longer_than_its_table_is_read_as_far_as_the_table():

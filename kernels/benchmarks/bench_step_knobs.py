@@ -2,7 +2,7 @@
 contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
-        [--knob-sets attention,tiles,ahead]
+        [--knob-sets attention,keys_ahead,tiles,ahead]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -13,6 +13,9 @@ expert union throughout.
   loaded ahead of its PDL wait (`paged_attention.keys_ahead`), and the splits its last program
   merges a round (`MERGE_AT_ONCE`: 1, 4, 16); batches 1, 16 and 64, contexts of 256 to 4,096
   tokens.
+- keys_ahead: up to how many programs a multiprocessor the attention loads its first tile ahead
+  (`KEYS_AHEAD_PER_SM`: 1, 2), the merge one split a round, and both as they were before session
+  42 (keys ahead at every batch, one a round); batches 1, 4, 16 and 64.
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
   folded output projection's rows a program.
@@ -54,13 +57,21 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
     after = (paged_attention, "keys_ahead", False)
     return {
         "attention": (((1, 256), (1, 4096), (16, 256), (16, 2048), (64, 256), (64, 1024)), [
-            ("committed (64 keys, first tile ahead)", []),
+            ("committed (64 keys, first tile ahead where the launch fits at once)", []),
             ("128 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(128))]),
             ("128 keys, after the wait", [(paged_attention, "_tile_config", keys_a_tile(128)), after]),
             ("64 keys, after the wait", [after]),
             ("32 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(32))]),
             ("merge 4 splits a round", [(paged_attention, "MERGE_AT_ONCE", 4)]),
             ("merge 16 splits a round", [(paged_attention, "MERGE_AT_ONCE", 16)]),
+            ("committed again", []),
+        ]),
+        "keys_ahead": (((1, 256), (1, 4096), (4, 256), (4, 2048), (16, 256), (16, 2048), (64, 256), (64, 1024)), [
+            ("committed", []),
+            ("keys ahead up to 1 program a multiprocessor", [(paged_attention, "KEYS_AHEAD_PER_SM", 1)]),
+            ("merge 1 split a round", [(paged_attention, "MERGE_AT_ONCE", 1)]),
+            ("keys ahead at every batch, merge 1 a round (before)",
+             [(paged_attention, "KEYS_AHEAD_PER_SM", 1 << 30), (paged_attention, "MERGE_AT_ONCE", 1)]),
             ("committed again", []),
         ]),
         "tiles": (BATCH_1, [
