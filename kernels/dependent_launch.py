@@ -10,7 +10,12 @@ wait was measured too, session 20: 2 % slower at batch 1 and 9 % at 4, 2-3 % fas
 64; not kept. So was asking L2 for the next launch's weights from extra programs of a launch bound
 by latency, session 36: the output projection's by the attention, an expert's down rows by its
 gate/up programs, with `prefetch.global.L2`; the batch-1 step 7 % slower, each alone 2-3 %, as the
-launches that asked took longer than the ones that found their weights in L2 gained; not kept.)
+launches that asked took longer than the ones that found their weights in L2 gained; not kept.
+Session 42 asked with one bulk request a row (`cp.async.bulk.prefetch.L2`): the attention's
+extra programs for the output projection's columns loaded after its wait, even with the step
+(+0.6 % at a 256-token context, -0.1 % at 4,096); the gate/up programs for their guessed
+expert's rows before their wait, an illegal memory access in the 48-layer step though not in the
+one-layer tests, not diagnosed; neither kept.)
 
 The rule every kernel here keeps: it calls `wait_for_inputs` before it reads or writes memory,
 in every program, so waiting on the kernel just before is waiting on all of them. A launch
@@ -32,7 +37,9 @@ it: so at most two launches overlap, and only the one just before can still be w
   (`fused_moe.down_per_slot`'s ready): the batch-1 step 2.2 % faster in its first run, 6.7 %
   with the fold's GEMMs at 3 stages (session 38, `bench_one_token`).
 - The attention's first tile of keys and values, all but each sequence's newest key, which the
-  q/k/v launch before writes (`paged_attention.keys_ahead`): 3 to 5.5 % over three runs (session 38).
+  q/k/v launch before writes (`paged_attention.keys_ahead`): 3 to 5.5 % over three runs (session 38);
+  only where the launch's programs are all resident at once, 1-4.6 % faster at batches 16 and 64
+  (session 42).
 The gate/up GEMM loads nothing ahead: its experts are known only from the logits the launch
 before makes. Also measured, not kept: letting the next launch go after a kernel's main
 loop instead of at its start (the attention's, the down GEMM's), so that those loads overlap only
