@@ -260,6 +260,12 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1 << 30
 
 
+def loads_keys_ahead(programs: int, device: torch.device) -> bool:
+    """Whether a launch of `programs` programs on `device` loads its first tile of keys ahead of the
+    PDL wait: `keys_ahead`, and at most KEYS_AHEAD_PER_SM programs per multiprocessor."""
+    return keys_ahead and programs <= KEYS_AHEAD_PER_SM * _multiprocessors(torch.device(device))
+
+
 def num_splits(batch: int, kv_heads: int, table_len: int, tile: int) -> int:
     """Splits per (sequence, kv head): TARGET_PROGRAMS programs in all, at most MAX_SPLITS, and no
     more than the table has key tiles."""
@@ -303,7 +309,7 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        AHEAD=keys_ahead and B * Hkv * splits <= KEYS_AHEAD_PER_SM * _multiprocessors(q.device),
+        AHEAD=loads_keys_ahead(B * Hkv * splits, q.device),
         MERGE_AT_ONCE=MERGE_AT_ONCE, num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     return out

@@ -87,6 +87,18 @@ def test_paged_decode_attention_rescales_when_later_keys_dominate():
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_keys_ahead_only_where_the_launch_fits_at_once(monkeypatch):
+    """An H100's 132 multiprocessors at two programs each: batch 1 (64 programs at the 30B shape) and
+    4 (256) load their first tile ahead, 16 and 64 (1,024) after the wait; without CUDA every launch
+    follows `keys_ahead` alone (the interpreter tests take both paths)."""
+    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda device: 132)
+    assert [paged_attention.loads_keys_ahead(n, "cuda") for n in (64, 256, 264, 265, 1024)] == [True] * 3 + [False] * 2
+    monkeypatch.setattr(paged_attention, "keys_ahead", False)
+    assert not paged_attention.loads_keys_ahead(64, "cuda")
+    monkeypatch.undo()
+    assert paged_attention.loads_keys_ahead(1 << 20, "cpu")
+
+
 @pytest.mark.parametrize("merge_at_once", [1, 4, 16])
 def test_the_merge_keeps_a_running_max_far_below_zero(merge_at_once, monkeypatch):
     """Scores all about -460 (base 2): the last program merges 6 splits MERGE_AT_ONCE a round, so a
