@@ -256,14 +256,15 @@ def _tile_config(head_dim: int, block_size: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessors; without CUDA (the interpreter) as if every launch fit at once."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1 << 30
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def loads_keys_ahead(programs: int, device: torch.device) -> bool:
     """Whether a launch of `programs` programs on `device` loads its first tile of keys ahead of the
-    PDL wait: `keys_ahead`, and at most KEYS_AHEAD_PER_SM programs per multiprocessor."""
-    return keys_ahead and programs <= KEYS_AHEAD_PER_SM * _multiprocessors(torch.device(device))
+    PDL wait: `keys_ahead`, and on a GPU at most KEYS_AHEAD_PER_SM programs per multiprocessor
+    (without CUDA, in the interpreter, `keys_ahead` alone: the tests take both paths)."""
+    device = torch.device(device)
+    return keys_ahead and (device.type != "cuda" or programs <= KEYS_AHEAD_PER_SM * _multiprocessors(device))
 
 
 def num_splits(batch: int, kv_heads: int, table_len: int, tile: int) -> int:
