@@ -46,6 +46,12 @@ loop instead of at its start (the attention's, the down GEMM's), so that those l
 its tail: 3,378 / 3,390 us with half ahead, against 3,280 us letting it go at the start (another
 run, `docs/results/pdl_late_trigger_one_token_h100.json`).
 
+What a boundary between two launches costs (`benchmarks/bench_pdl_release.py`, H100, session
+43): from the last program of one launch ending to the programs of the next going on, 1.8-2.3 us
+for a plain launch, 0.8-1.0 us with PDL's wait, and 0.3-1.0 us for a counter that the next
+launch's programs spin on. A counter is what merging two launches into one would pay instead, so
+merging saves at most about 0.5 us a boundary.
+
 `launch_options(device)` gives a Triton launch its two keywords: the kernel's `PDL` constexpr
 and Triton's `launch_pdl`. Off without CUDA (the interpreter), before compute capability 9.0, and
 where ZIPMOE_PDL=0; `enabled_as` sets it for a block of a running process (the benchmarks compare

@@ -61,6 +61,12 @@ FOLD_MAX_EXPERTS = 128
 # alone (`fused_moe.pick_config`: 4 at batch 1); in the step, where the down GEMM holds rows loaded
 # ahead of its wait, 3 made the batch-1 step 2.4 % faster and 2 slower (H100, session 38).
 FOLD_STAGES = 3
+# Gate/up columns a program of the fold takes (0: its tile's width), in a tile the next power of two
+# wide (16 at least). 24 spreads Qwen3-30B-A3B's 8 x 768 over 256 programs, about two on every
+# multiprocessor (at 255 registers a program, two at most): the batch-1 step 1.2-1.5 % faster at a
+# 256-token context than 32 columns (192 programs, two on some multiprocessors and one on the
+# others) and 0.6-0.9 % at 4,096; 48 (128 programs) 3 % slower (H100, session 43, bench_step_knobs).
+FOLD_COLUMNS = 24
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,8 +195,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            tiles_ptr, ready_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps, K: tl.constexpr,
                            KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr, E_PAD: tl.constexpr,
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
-                           KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                           KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, COLUMNS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                            PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them), each expert's rank
@@ -201,8 +207,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # input is y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the
     # plain gate/up kernel's (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a
     # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
-    # compute no slot: the first of them stores the routing, off the GEMM programs' path (one more
-    # multiprocessor, while the slots' 8 x I / BLOCK_N programs leave some idle at batch 1).
+    # compute no slot: the first of them stores the routing, off the GEMM programs' path (one
+    # program beside the slots' K x I / COLUMNS, 256 at the 30B shape, two a multiprocessor).
     # KEEP < K: slots from KEEP on are dropped (no GEMM; the down GEMM skips them too), unless the
     # token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr). SERE: every slot kept, those from K1
     # on moved as `_sere_moves` says (a moved slot reads its primary's weights again, at about the
@@ -249,8 +255,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         else:
             expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
         m = tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols[None, :] < I
+        cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
+        col_ok = ((tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I))[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
@@ -298,12 +304,15 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
-    _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, cfg.block_n))](
+    columns = FOLD_COLUMNS or cfg.block_n
+    up_cfg = dataclasses.replace(cfg, block_n=max(16, triton.next_power_of_2(columns)))  # tl.dot's least
+    _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, columns))](
         h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
         ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
-        KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, **launch_options_moe(cfg, h))
+        KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
+        **launch_options_moe(up_cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
     per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True, ready=ready)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights

@@ -77,6 +77,16 @@ def test_folded_moe_loads_any_share_of_its_rows_ahead(device, load_ahead, monkey
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("columns", [0, 12])
+def test_folded_moe_gate_up_programs_take_columns_short_of_their_tile(device, columns, monkeypatch):
+    """A gate/up program's columns as many as its tile's width (0), or fewer (a power of two): 12 of
+    16 (tl.dot's least), 14 programs an expert of 160, the last past the width. The other tests take
+    the committed 24 of 32."""
+    monkeypatch.setattr(folded_router, "FOLD_COLUMNS", columns)
+    test_folded_moe_matches_reference(device, 64, 128, 16, 160, 4, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("keep,keep_normalize", [(2, True), (1, False), (3, True)])
 @pytest.mark.parametrize("opt_out", [None, False, True])
 def test_folded_moe_keeps_the_first_experts(device, keep, keep_normalize, opt_out):

@@ -34,7 +34,7 @@ def test_kernel_plots_draw_nothing_without_rows(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["bench_kernels", "profile_decode", "bench_expert_parallel", "bench_importance",
-                                  "bench_paged_attention"])
+                                  "bench_paged_attention", "bench_pdl_release"])
 def test_gpu_benchmarks_stop_with_a_reason_without_cuda(name, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bench = importlib.import_module(f"zipmoe.kernels.benchmarks.{name}")
@@ -42,3 +42,12 @@ def test_gpu_benchmarks_stop_with_a_reason_without_cuda(name, monkeypatch, capsy
         bench.main([])
     assert stopped.value.code == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the bench extra is not installed")
+def test_the_launch_to_launch_plot_draws_a_bar_per_shape_and_mode(tmp_path):
+    from zipmoe.kernels.benchmarks import bench_pdl_release as probe
+    rows = [{"first_programs": a, "second_programs": b, "mode": mode, "median_go_ns": 800.0}
+            for a, b in probe.SHAPES for mode in probe.MODES]
+    assert probe.plot({"rows": rows, "device": "test"}, tmp_path / "go.png") and (tmp_path / "go.png").exists()
+    assert probe.plot({"rows": [], "device": "test"}, tmp_path / "none.png") is False

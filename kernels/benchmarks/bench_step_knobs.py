@@ -2,7 +2,7 @@
 contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
-        [--knob-sets attention,keys_ahead,tiles,ahead]
+        [--knob-sets attention,keys_ahead,splits,columns,tiles,ahead]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -16,6 +16,10 @@ expert union throughout.
 - keys_ahead: up to how many programs a multiprocessor the attention loads its first tile ahead
   (`KEYS_AHEAD_PER_SM`: 1, 2), the merge one split a round, and both as they were before session
   42 (keys ahead at every batch, one a round); batches 1, 4, 16 and 64.
+- splits (batches 1, 4 and 16): at most how many splits the attention cuts a context into
+  (`paged_attention.MAX_SPLITS`: 1 to 16; a split is whole tiles, so short contexts use fewer).
+- columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
+  (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors.
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
   folded output projection's rows a program.
@@ -72,6 +76,20 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("merge 1 split a round", [(paged_attention, "MERGE_AT_ONCE", 1)]),
             ("keys ahead at every batch, merge 1 a round (before)",
              [(paged_attention, "KEYS_AHEAD_PER_SM", 1 << 30), (paged_attention, "MERGE_AT_ONCE", 1)]),
+            ("committed again", []),
+        ]),
+        "splits": (((1, 256), (1, 4096), (4, 256), (16, 256)), [
+            ("committed", []),
+            *[(f"attention at most {n} splits", [(paged_attention, "MAX_SPLITS", n)]) for n in (1, 2, 4, 8)],
+            ("committed again", []),
+        ]),
+        "columns": (BATCH_1, [
+            ("committed (gate/up 24 columns a program, 256 programs)", []),
+            ("gate/up 32 columns a program (192 programs, before)", [(folded_router, "FOLD_COLUMNS", 0)]),
+            ("gate/up 48 columns a program (128 programs)", [(folded_router, "FOLD_COLUMNS", 48)]),
+            ("down GEMM without loads ahead", [(fused_moe, "ahead_width", _ahead(0))]),
+            ("output projection 2 rows a program", [(folded_router, "GEMV_BLOCK_N", 2)]),
+            ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("committed again", []),
         ]),
         "tiles": (BATCH_1, [

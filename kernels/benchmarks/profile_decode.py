@@ -18,6 +18,11 @@ a longer one as piecewise CUDA graphs, engine/prefill_graphs.py), as piecewise g
 wall times, the eager step's sum of kernel times and launch count, and the plain decode step's wall
 time beside them.
 --policies topk,sere profiles each routing policy's steps (bench_kernels' SERE: K'=2, rho 0).
+--pdl profiles the graphs as the engine captures them, with PDL, and reads the critical path: a
+kernel's launches each wait for the one before to end, so what a launch adds to the step is its end
+past the end of the one before ("exposed"), and what it overlapped is the time it was resident
+before then ("early"); per kernel, per step and per launch, beside the spans. The gaps where no
+kernel ran between two launches of a replay are summed apart.
 Writes OUT.json ({"device", "copy_gbps", "steps": [...]}) and OUT.png (the largest kernels' shares).
 """
 from __future__ import annotations
@@ -48,6 +53,24 @@ def short_name(kernel: str) -> str:
     return name if len(name) <= 90 else name[:87] + "..."
 
 
+def critical_path(events, replays: int) -> dict:
+    """{kernel: exposed / early / gap us per step} from the kernels' (name, start, end) in us of
+    `replays` back-to-back replays: each launch's end past the previous one's, the time it had
+    been resident before that, and the idle time before it started (module docstring). A replay's
+    first launch, after the host's pause between replays, counts only its own span."""
+    paths: dict[str, dict[str, float]] = {}
+    per_replay = len(events) // replays
+    ordered = sorted(events, key=lambda e: e[2])
+    for i, (name, start, end) in enumerate(ordered):
+        first = i % per_replay == 0
+        before = start if first else ordered[i - 1][2]
+        k = paths.setdefault(short_name(name), {"exposed_us": 0.0, "early_us": 0.0, "gap_us": 0.0})
+        k["exposed_us"] += (end - max(before, start)) / replays
+        k["early_us"] += max(0.0, before - start) / replays
+        k["gap_us"] += max(0.0, start - before) / replays
+    return paths
+
+
 def profile_step(engine, batch: int, prompt: int = 256) -> dict:
     g = torch.Generator().manual_seed(batch)
     seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
@@ -66,6 +89,9 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
         torch.cuda.synchronize()
     for s in seqs:
         engine.abort(s)
+    launched = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    paths = critical_path(launched, REPLAYS)
     kernels = {}
     for evt in prof.key_averages():
         if evt.device_type != torch.autograd.DeviceType.CUDA or evt.device_time_total <= 0:
@@ -75,7 +101,8 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
         k["calls"] += evt.count / REPLAYS
     total = sum(k["us"] for k in kernels.values())
     rows = [{"kernel": name, "us_per_step": round(k["us"], 1), "share": round(k["us"] / total, 4) if total else 0.0,
-             "launches_per_step": round(k["calls"], 1), "launches_per_layer": round(k["calls"] / CFG.num_layers, 2)}
+             "launches_per_step": round(k["calls"], 1), "launches_per_layer": round(k["calls"] / CFG.num_layers, 2),
+             **{key: round(us, 1) for key, us in paths.get(name, {}).items()}}
             for name, k in sorted(kernels.items(), key=lambda kv: -kv[1]["us"])]
     launches = sum(k["calls"] for k in kernels.values())
     return {"batch": batch, "bucket": bucket, "replay_us": round(replay_us, 1), "kernel_us": round(total, 1),
@@ -137,6 +164,7 @@ def print_step(step: dict, top: int = 15) -> None:
           f"= {step['launches_per_layer']:.1f} per layer", flush=True)
     for r in step["kernels"][:top]:
         print(f"  {r['us_per_step']:8.1f} us {100 * r['share']:5.1f} %  {r['launches_per_layer']:5.2f}/layer  "
+              f"exposed {r.get('exposed_us', 0):7.1f} early {r.get('early_us', 0):7.1f} gap {r.get('gap_us', 0):5.1f}  "
               f"{r['kernel']}", flush=True)
 
 
@@ -155,7 +183,7 @@ def plot(result: dict, out: Path, top: int = 10) -> bool:
                title=f"{step['policy']}, batch {step['batch']}: replay {step['replay_us']:.0f} us, "
                      f"{step['launches_per_layer']:.1f} launches/layer")
         ax.tick_params(axis="y", labelsize=7)
-    fig.suptitle("one captured decode step, 48 layers, Qwen3-30B-A3B shape (dummy weights), H200")
+    fig.suptitle(f"one captured decode step, 48 layers, Qwen3-30B-A3B shape (dummy weights), {result['device']}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -174,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--policies", default="topk",
                     help="routing of the profiled steps, each its own rows: topk, sere (bench_kernels' K'=2 rho 0)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="profile the graphs with PDL, as the engine captures them: read the critical path")
     ap.add_argument("--mixed", type=int, default=0, help="also time a prefill step beside this many decoding sequences")
     ap.add_argument("--mixed-prompts", default="512",
                     help="that step's new prompt lengths, one row each; KxL: K prompts of L tokens together")
@@ -181,8 +211,8 @@ def main(argv=None) -> int:
     require_cuda(ap)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": False, "steps": []}
-    with dependent_launch.enabled_as(False):  # each kernel's own time (module docstring)
+    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(copy_gbps(), 1), "pdl": args.pdl, "steps": []}
+    with dependent_launch.enabled_as(args.pdl):  # without: each kernel's own time (module docstring)
         engine = build_engine()
         for policy in args.policies.split(","):
             if engine.model.policy.name != policy:  # (each change re-captures the graphs)
