@@ -18,3 +18,8 @@ def test_each_launch_adds_its_end_past_the_previous_end_and_counts_its_overlap_a
     assert paths["c"] == pytest.approx({"exposed_us": 4.0, "early_us": 0.0, "gap_us": 1.0})
     # Exposed plus gaps is the replay's span.
     assert sum(p["exposed_us"] + p["gap_us"] for p in paths.values()) == pytest.approx(20.0)
+
+
+def test_fewer_launches_recorded_than_replays_still_adds_up():
+    assert critical_path([("a", 0.0, 4.0)], replays=2)["a"] == pytest.approx({"exposed_us": 2.0, "early_us": 0.0,
+                                                                                "gap_us": 0.0})

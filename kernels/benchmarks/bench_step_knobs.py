@@ -19,7 +19,9 @@ expert union throughout.
 - splits (batches 1, 4 and 16): at most how many splits the attention cuts a context into
   (`paged_attention.MAX_SPLITS`: 1 to 16; a split is whole tiles, so short contexts use fewer).
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
-  (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors.
+  (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
+  them the down GEMM without its loads ahead, the output projection at 2 rows a program and the
+  experts' K tile at 256.
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
   folded output projection's rows a program.

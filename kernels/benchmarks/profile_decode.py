@@ -59,7 +59,7 @@ def critical_path(events, replays: int) -> dict:
     been resident before that, and the idle time before it started (module docstring). A replay's
     first launch, after the host's pause between replays, counts only its own span."""
     paths: dict[str, dict[str, float]] = {}
-    per_replay = len(events) // replays
+    per_replay = max(1, len(events) // replays)
     ordered = sorted(events, key=lambda e: e[2])
     for i, (name, start, end) in enumerate(ordered):
         first = i % per_replay == 0
