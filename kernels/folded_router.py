@@ -63,9 +63,10 @@ FOLD_MAX_EXPERTS = 128
 FOLD_STAGES = 3
 # Gate/up columns a program of the fold takes (0: its tile's width), in a tile the next power of two
 # wide (16 at least). 24 spreads Qwen3-30B-A3B's 8 x 768 over 256 programs, about two on every
-# multiprocessor (at 255 registers a program, two at most): the batch-1 step 1.2-1.5 % faster at a
+# multiprocessor (at 255 registers a program, two at most): the batch-1 step 0-1.3 % faster at a
 # 256-token context than 32 columns (192 programs, two on some multiprocessors and one on the
-# others) and 0.6-0.9 % at 4,096; 48 (128 programs) 3 % slower (H100, session 43, bench_step_knobs).
+# others) and 0.6-1.5 % at 4,096, over two runs; 48 (128 programs) 3-4 % slower (H100, session 43,
+# bench_step_knobs' "columns" set).
 FOLD_COLUMNS = 24
 
 
