@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
 from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
                         pick_config, store_silu_mul)
-from .gemv import (GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
+from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
                    gemv_rows_from)
 from .layer_ops import inverse_rms, weighted
 from .router import add_norm_router_reference
@@ -68,6 +68,11 @@ FOLD_STAGES = 3
 # others) and 0.6-1.5 % at 4,096, over two runs; 48 (128 programs) 3-4 % slower (H100, session 43,
 # bench_step_knobs' "columns" set).
 FOLD_COLUMNS = 24
+# Rows of the output projection (and of the folded router) a program of `_out_proj_logits_kernel`
+# takes: 1,088 programs at the 30B shape instead of `gemv`'s 4 rows' 544, at 96 registers instead of
+# 160. The batch-1 step 1.0-1.1 % faster at a 256-token context over two runs, 0.1-0.9 % at 4,096
+# (H100, sessions 43 and 44, bench_step_knobs' "columns" set).
+OUT_PROJ_ROWS = 2
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,8 +302,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
     ready = torch.empty(1, dtype=torch.int32, device=h.device)  # the routing stored (lowered, then raised)
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
-    _out_proj_logits_kernel[(triton.cdiv(H, GEMV_BLOCK_N) + triton.cdiv(E, GEMV_BLOCK_N),)](
-        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, H, E, A=A, HK=H, BLOCK_N=GEMV_BLOCK_N,
+    _out_proj_logits_kernel[(triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS),)](
+        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS,
         BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), num_warps=GEMV_WARPS, **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, FOLD_STAGES))

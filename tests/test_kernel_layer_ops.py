@@ -10,6 +10,7 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.model import KERNELS, REFERENCE
 from zipmoe.engine.rope import MRope
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels.embed_rope import mrope_cos_sin_reference
 from zipmoe.kernels.layer_ops import (add_rms_norm, add_rms_norm_reference, qk_norm_rope_cache,
                                       qk_norm_rope_cache_reference, rms_norm, rms_norm_reference, topk_softmax,
                                       topk_softmax_reference)
@@ -84,7 +85,7 @@ def test_qk_norm_rope_cache_matches_reference(device, hq, hkv, d):
     qn, kn = (torch.rand(d, generator=g).to(device, dt) + 0.5 for _ in range(2))
     rope = MRope(d, 1e6, {16: (4, 2, 2), 128: (24, 20, 20)}[d], torch.device(device))  # tiny, Qwen3-30B
     positions = torch.stack([torch.arange(T) * 3, torch.arange(T) + 7, torch.arange(T) * 2]).to(device)
-    cos, sin = rope.cos_sin(positions, dt)
+    cos, sin = mrope_cos_sin_reference(positions, rope.inv_freq, rope.axis, dt)
     slots = torch.tensor([9, 2, 31, 0, 17, 5], device=device)
     caches = [torch.zeros(32, hkv, d, dtype=dt, device=device) for _ in range(4)]
     q = qk_norm_rope_cache(qkv, qn, kn, cos, sin, caches[0], caches[1], slots, 1e-6, hq, hkv)

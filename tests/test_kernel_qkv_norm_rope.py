@@ -8,6 +8,7 @@ import torch
 
 from zipmoe.engine.rope import MRope
 from zipmoe.kernels import dependent_launch
+from zipmoe.kernels.embed_rope import mrope_cos_sin_reference
 from zipmoe.kernels.qkv_norm_rope import (QKV_BLOCK_T, QKV_MAX_T, add_norm_qkv, add_norm_qkv_reference,
                                          fused_add_norm_qkv, fused_qkv_norm_rope_cache, qkv_norm_rope_cache,
                                          qkv_norm_rope_cache_reference)
@@ -23,7 +24,8 @@ def _case(device, T, hidden, hq, hkv, d, seed=0):
     w = (torch.randn((hq + 2 * hkv) * d, hidden, generator=g) / hidden ** 0.5).to(device, dt)
     qn, kn = (torch.rand(d, generator=g).to(device, dt) + 0.5 for _ in range(2))
     positions = torch.stack([torch.arange(T) * 3, torch.arange(T) + 7, torch.arange(T) * 2]).to(device)
-    cos, sin = MRope(d, 1e6, SECTIONS[d], torch.device(device)).cos_sin(positions, dt)
+    rope = MRope(d, 1e6, SECTIONS[d], torch.device(device))
+    cos, sin = mrope_cos_sin_reference(positions, rope.inv_freq, rope.axis, dt)
     slots = torch.randperm(64, generator=g)[:T].to(device)
     return x, w, qn, kn, cos, sin, slots, dt
 

@@ -91,8 +91,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.opt_out = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.rows = torch.arange(n, device=dev)  # logit rows; every tensor a graph reads must outlive it
-        self.logit_rows = torch.zeros(self.max_batch, dtype=torch.long, device=dev)  # a prompt-row bucket's
+        # A prompt-row bucket's logit rows (a decode bucket's are all its rows); every tensor a graph reads
+        # must outlive it.
+        self.logit_rows = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
         self.scratch_slot = kv.scratch_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StepOutput] = {}
@@ -100,7 +101,7 @@ class DecodeGraphs:
         with capturing():
             # Largest first: smaller graphs then fit in the memory pool the largest one already holds.
             for b in reversed(self.buckets):
-                step, rows = self._step(b), self.rows[:b] if b <= self.max_batch else self.logit_rows
+                step, rows = self._step(b), None if b <= self.max_batch else self.logit_rows
                 model.forward(self.input_ids[:b], step, kv, rows)  # compiles every kernel outside the capture
                 graph, self.outputs[b] = capture(lambda: model.forward(self.input_ids[:b], step, kv, rows), pool)
                 pool = graph.pool()

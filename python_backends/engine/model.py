@@ -24,6 +24,7 @@ from .expert_parallel import ExpertShard
 from .kv_cache import KVCache
 from ..kernels import layer_ops
 from ..kernels import folded_router
+from ..kernels.embed_rope import embed_norm_rope, embed_norm_rope_reference, norm_rope, norm_rope_reference
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.gemv import linear, linear_reference
 from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -44,11 +45,15 @@ from .rope import MRope
 # router's own distinct top-K of one token need no align). At more tokens each fused step falls
 # back to its parts where those were measured faster (docs/PERFORMANCE.md). `folded_moe` None: the
 # references' arithmetic, step by step (its fold rounds differently, `kernels/folded_router.py`).
+# Around the layers: one launch for the embeddings, the mRoPE cos/sin and the first input norm
+# (`embed_norm_rope`), and the last layer's residual add with the final norm (`add_rms_norm`).
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
+                          embed_norm_rope=embed_norm_rope, norm_rope=norm_rope,
                           qkv_norm_rope_cache=qkv_norm_rope_cache, add_norm_qkv=add_norm_qkv, linear=linear,
                           add_norm_router=add_norm_router, experts=fused_experts_per_slot,
                           decode_attention=paged_decode_attention, folded_moe=folded_router.folded_moe)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
+                            embed_norm_rope=embed_norm_rope_reference, norm_rope=norm_rope_reference,
                             qkv_norm_rope_cache=qkv_norm_rope_cache_reference, add_norm_qkv=add_norm_qkv_reference,
                             linear=linear_reference, add_norm_router=add_norm_router_reference,
                             experts=fused_experts_reference, decode_attention=paged_decode_attention_reference,
@@ -166,13 +171,14 @@ class Qwen3VLMoeTextDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv: KVCache,
-                logit_rows: torch.Tensor) -> StepOutput:
-        """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows, and a
-        decode step's routing. The stages below are also what `prefill_graphs.py` captures or runs
-        between its graphs: everything but `attention` depends only on the number of tokens."""
+                logit_rows: torch.Tensor | None) -> StepOutput:
+        """input_ids [T] -> logits [len(logit_rows), vocab] (float32) for the chosen rows (None: every
+        row), and a decode step's routing. The stages below are also what `prefill_graphs.py` captures
+        or runs between its graphs: everything but `attention` depends only on the number of tokens."""
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
-        h = self.embed_tokens(input_ids, step)
-        cos, sin, q = self.first_qkv(h, step, kv)
+        # Without image rows the first launch gathers the embeddings itself.
+        h = None if step.visual_rows is None else self.embed_tokens(input_ids, step)
+        h, cos, sin, q = self.first_qkv(h, step, kv, input_ids)
         injected = 0 if step.deepstack is None else step.deepstack.shape[0]
         for layer, nxt in zip(self.layers, self.layers[1:] + [None]):
             inject = partial(self._inject, step, layer.idx) if layer.idx < injected else None
@@ -192,17 +198,24 @@ class Qwen3VLMoeTextDecoder:
             h[step.visual_rows] = step.visual_embeds.to(self.dtype)
         return h
 
-    def first_qkv(self, h: torch.Tensor, step: StepInputs, kv: KVCache):
-        """(cos, sin, q) of the first layer: its input norm, q/k/v (k and v into the cache)."""
-        cos, sin = self.rope.cos_sin(step.positions, self.dtype)
-        first = self.layers[0]
-        return cos, sin, self._qkv(first, self.ops.rms_norm(h, first.input_norm, self.cfg.rms_norm_eps), cos, sin,
-                                   step, kv)
+    def first_qkv(self, h: torch.Tensor | None, step: StepInputs, kv: KVCache,
+                  input_ids: torch.Tensor | None = None):
+        """(h, cos, sin, q) of the first layer: the embeddings h (None: input_ids' rows of the table),
+        the step's mRoPE cos/sin and the layer's input norm, in one launch (`kernels/embed_rope.py`); then
+        its q/k/v (k and v into the cache)."""
+        first, eps, rope = self.layers[0], self.cfg.rms_norm_eps, self.rope
+        if h is None:
+            h, x, cos, sin = self.ops.embed_norm_rope(input_ids, self.embed, first.input_norm, eps, step.positions,
+                                                      rope.inv_freq, rope.axis)
+        else:
+            x, cos, sin = self.ops.norm_rope(h, first.input_norm, eps, step.positions, rope.inv_freq, rope.axis)
+        return h, cos, sin, self._qkv(first, x, cos, sin, step, kv)
 
     def layer_rest(self, layer: Layer, nxt: Layer | None, h: torch.Tensor, attn: torch.Tensor, cos, sin,
                    step: StepInputs, kv: KVCache, routing: list, inject: Callable | None = None):
-        """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or (h, None)
-        after the last layer. inject(h) -> h: the layer's DeepStack features added (the first layers)."""
+        """Everything of `layer` after its attention, and `nxt`'s q/k/v: (h, nxt's q), or after the last
+        layer (the model's final norm of h, None), what `logits` takes. inject(h) -> h: the layer's
+        DeepStack features added (the first layers)."""
         ops, cfg, eps = self.ops, self.cfg, self.cfg.rms_norm_eps
         route = self._folded_route(layer, step, attn.shape[0])
         if route is not None:
@@ -222,11 +235,11 @@ class Qwen3VLMoeTextDecoder:
             # The residual add (and the MoE's slot sum), the next layer's input norm and its q/k/v.
             return ops.add_norm_qkv(h, out, nxt.input_norm, nxt.qkv, nxt.q_norm, nxt.k_norm, cos, sin, kv.k[nxt.idx],
                                     kv.v[nxt.idx], step.slots, eps, cfg.num_heads, cfg.num_kv_heads)
-        h = h + layer_ops.sum_slots(out)
-        if inject is not None:
-            h = inject(h)
+        if inject is None:  # the last layer: the residual add (and the slot sum) with the final norm
+            return ops.add_rms_norm(h, out, self.norm, eps)[1], None
+        h = inject(h + layer_ops.sum_slots(out))
         if nxt is None:
-            return h, None
+            return ops.rms_norm(h, self.norm, eps), None
         return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
 
     def _folded_route(self, layer: Layer, step: StepInputs, T: int) -> OneTokenRoute | None:
@@ -240,9 +253,10 @@ class Qwen3VLMoeTextDecoder:
             return OneTokenRoute(self.cfg.top_k, self.cfg.norm_topk_prob)
         return self.policy.one_token_route(layer.idx, self.cfg.top_k, self.cfg.norm_topk_prob)
 
-    def logits(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """float32 [len(rows), vocab] of the final hidden states' chosen rows."""
-        return F.linear(self.ops.rms_norm(h[rows], self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """float32 [len(rows), vocab] of the chosen rows (None: every row) of x, the final norm's
+        output (`layer_rest` of the last layer)."""
+        return F.linear(x if rows is None else x[rows], self.lm_head).float()
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos, sin, step: StepInputs, kv: KVCache) -> torch.Tensor:
         """Normed, rotated q [T, heads, head_dim]; k and v go straight into the cache."""

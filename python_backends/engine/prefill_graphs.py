@@ -70,7 +70,8 @@ class PrefillGraphs:
         self._deepstack_rows = False  # the buffer holds some step's features (zeroed before the next)
         self.pieces = {b: self._pieces(b) for b in self.buckets}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's last piece's h, rewritten by its replay
+        # Each bucket's last piece's output (the final norm of h, what model.logits takes), rewritten by its replay.
+        self.outputs: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
 
@@ -79,8 +80,9 @@ class PrefillGraphs:
         return self.buckets[-1]
 
     def _pieces(self, b: int) -> list:
-        """The bucket's pieces, each h -> h (the residual stream [b, hidden]). They hold no reference
-        to self, so that dropping the engine frees its graphs at once, not at a garbage collection."""
+        """The bucket's pieces, each h -> h (the residual stream [b, hidden]; the last one's output is its
+        final norm). They hold no reference to self, so that dropping the engine frees its graphs at
+        once, not at a garbage collection."""
         m, kv, deepstack = self.model, self.kv, self.deepstack
         step = StepInputs(positions=self.positions[:, :b], slots=self.slots[:b], is_prefill=True,
                           opt_out=None if self.opt_out is None else self.opt_out[:b])
@@ -88,7 +90,7 @@ class PrefillGraphs:
         rope = {}  # cos/sin of piece 0, read by every later piece (under capture: piece 0's output tensors)
 
         def first(h: torch.Tensor) -> torch.Tensor:
-            rope["cos"], rope["sin"], q0 = m.first_qkv(h, step, kv)
+            _, rope["cos"], rope["sin"], q0 = m.first_qkv(h, step, kv)
             q.copy_(q0)
             return h
 

@@ -2,7 +2,8 @@
 
 Frequencies are assigned round-robin t,h,w,t,h,w,... for the first 3*section[1] (h) and
 3*section[2] (w) slots; all others use t. Text tokens have t = h = w, which makes this
-plain 1-D RoPE for them.
+plain 1-D RoPE for them. The decoder computes each step's cos/sin from these in its first launch
+(`kernels/embed_rope.py`).
 """
 from __future__ import annotations
 
@@ -21,9 +22,3 @@ class MRope:
             axis[idx] = a
         self.axis = axis.to(device)  # [half]: which of (t, h, w) drives frequency i
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [3, T] (t, h, w) -> cos, sin [T, head_dim] in `dtype`."""
-        freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq[None, None, :]  # [3, T, half]
-        freqs = freqs.gather(0, self.axis.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
