@@ -69,10 +69,11 @@ FOLD_STAGES = 3
 # bench_step_knobs' "columns" set).
 FOLD_COLUMNS = 24
 # Rows of the output projection (and of the folded router) a program of `_out_proj_logits_kernel`
-# takes: 1,088 programs at the 30B shape instead of `gemv`'s 4 rows' 544, at 96 registers instead of
-# 160. The batch-1 step 1.0-1.1 % faster at a 256-token context over two runs, 0.1-0.9 % at 4,096
-# (H100, sessions 43 and 44, bench_step_knobs' "columns" set).
-OUT_PROJ_ROWS = 2
+# takes, as `gemv` takes them (544 programs at the 30B shape). 2 rows (1,088 programs, 96 registers
+# instead of 160) and 1 row were within the batch-1 step's noise of 4 over four runs (+-1 %, H100,
+# sessions 43 and 44, bench_step_knobs' "columns" and "out_proj" sets), all of the rows' weights
+# loaded ahead of the wait 0-2 % slower.
+OUT_PROJ_ROWS = 4
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +121,13 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
     # float32.
     # The first AHEAD columns of the rows over a (W_o's, W_r g W_o's) are loaded ahead of the wait
-    # (`dependent_launch.ahead_width`): no kernel writes them.
+    # (`dependent_launch.ahead_width`): no kernel writes them. The router's sums over r, its rows and
+    # r itself, are taken before the wait whole: r was written two launches before (by the q/k/v
+    # launch, before the attention), and this launch starts only once every program of the
+    # attention has passed its own wait, which the q/k/v launch's end let go. The logits programs
+    # were the launch's last to finish, with twice the rows' loads after their wait: the batch-1
+    # step 0.8 % faster at a 256-token context, 1.0 % at 4,096, in each of three interleaved pairs
+    # (H100, session 44, bench_step_knobs' "r_early" set).
     pid = tl.program_id(0)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
@@ -135,8 +142,9 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
         tl.store(y_ptr + n, weighted(h, g), mask=n < H)
     else:
         e = (pid - out_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        over_r = gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K)  # before the wait (above)
         o = _rows_times_attention(attn_ptr, gate_o_ptr, e, E, A, BLOCK_N, BLOCK_K, AHEAD, PDL)
-        tl.store(logits_ptr + e, gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K) + o, mask=e < E)
+        tl.store(logits_ptr + e, over_r + o, mask=e < E)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
-        [--knob-sets attention,keys_ahead,splits,columns,tiles,ahead]
+        [--knob-sets attention,keys_ahead,splits,columns,tiles,out_proj,ahead]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -20,11 +20,13 @@ expert union throughout.
   (`paged_attention.MAX_SPLITS`: 1 to 16; a split is whole tiles, so short contexts use fewer).
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
   (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
-  them the down GEMM without its loads ahead, the output projection at 4 rows a program and the
+  them the down GEMM without its loads ahead, the output projection at 2 rows a program and the
   experts' K tile at 256.
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
   folded output projection's rows a program (`folded_router.OUT_PROJ_ROWS`).
+- out_proj (batch 1, the same contexts): the folded output projection's rows a program
+  (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4) with half or all of their weights loaded ahead.
 - ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
   weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
@@ -90,7 +92,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("gate/up 32 columns a program (192 programs, before)", [(folded_router, "FOLD_COLUMNS", 0)]),
             ("gate/up 48 columns a program (128 programs)", [(folded_router, "FOLD_COLUMNS", 48)]),
             ("down GEMM without loads ahead", [(fused_moe, "ahead_width", _ahead(0))]),
-            ("output projection 4 rows a program (before)", [(folded_router, "OUT_PROJ_ROWS", 4)]),
+            ("output projection 2 rows a program", [(folded_router, "OUT_PROJ_ROWS", 2)]),
             ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("committed again", []),
         ]),
@@ -107,8 +109,18 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("q/k/v 2 warps", [(qkv_norm_rope, "QKV_WARPS", 2)]),
             ("q/k/v 8 warps", [(qkv_norm_rope, "QKV_WARPS", 8)]),
             ("q/k/v 1 stage", [(qkv_norm_rope, "QKV_STAGES", 1)]),
-            ("output projection 4 rows a program", [(folded_router, "OUT_PROJ_ROWS", 4)]),
+            ("output projection 2 rows a program", [(folded_router, "OUT_PROJ_ROWS", 2)]),
             ("output projection 8 rows a program", [(folded_router, "OUT_PROJ_ROWS", 8)]),
+            ("committed again", []),
+        ]),
+        "out_proj": (BATCH_1, [
+            ("committed (output projection 4 rows a program, half ahead)", []),
+            ("2 rows, half ahead", [(folded_router, "OUT_PROJ_ROWS", 2)]),
+            ("2 rows, all ahead",
+             [(folded_router, "OUT_PROJ_ROWS", 2), (folded_router, "ahead_width", _ahead(share=2.0))]),
+            ("1 row, half ahead", [(folded_router, "OUT_PROJ_ROWS", 1)]),
+            ("1 row, all ahead",
+             [(folded_router, "OUT_PROJ_ROWS", 1), (folded_router, "ahead_width", _ahead(share=2.0))]),
             ("committed again", []),
         ]),
         "ahead": (BATCH_1, [
