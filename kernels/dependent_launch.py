@@ -36,9 +36,9 @@ it: so at most two launches overlap, and only the one just before can still be w
   programs, waiting for it a bounded while, load half their experts' rows before their wait
   (`fused_moe.down_per_slot`'s ready): the batch-1 step 2.2 % faster in its first run, 6.7 %
   with the fold's GEMMs at 3 stages (session 38, `bench_one_token`).
-- The folded router's sums over the residual stream r (`folded_router`'s logits programs, r and
-  their rows, session 44: 0.8-1.0 % faster): r was written by the q/k/v launch, which ended before
-  the attention's programs passed their wait and so before the output projection's launch began.
+- The residual stream r in the folded output projection (`folded_router`: the rows' r, the
+  router's sums over r; session 44, 1-2 % faster): r was written by the q/k/v launch, which ended
+  before the attention's programs passed their wait and so before the projection's launch began.
 - The attention's first tile of keys and values, all but each sequence's newest key, which the
   q/k/v launch before writes (`paged_attention.keys_ahead`): 3 to 5.5 % over three runs (session 38);
   only where the launch's programs are all resident at once, 1-4.6 % faster at batches 16 and 64

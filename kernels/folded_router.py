@@ -121,22 +121,22 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
     # float32.
     # The first AHEAD columns of the rows over a (W_o's, W_r g W_o's) are loaded ahead of the wait
-    # (`dependent_launch.ahead_width`): no kernel writes them. The router's sums over r, its rows and
-    # r itself, are taken before the wait whole: r was written two launches before (by the q/k/v
-    # launch, before the attention), and this launch starts only once every program of the
-    # attention has passed its own wait, which the q/k/v launch's end let go. The logits programs
-    # were the launch's last to finish, with twice the rows' loads after their wait: the batch-1
-    # step 0.8 % faster at a 256-token context, 1.0 % at 4,096, in each of three interleaved pairs
-    # (H100, session 44, bench_step_knobs' "r_early" set).
+    # (`dependent_launch.ahead_width`): no kernel writes them. So are r (and g) and the router's sums
+    # over r, whole: r was written two launches before (by the q/k/v launch, before the attention),
+    # and this launch starts only once every program of the attention has passed its own wait, which
+    # the q/k/v launch's end let go. The logits programs were the launch's last to finish, with twice
+    # the rows' loads after their wait; taking their sums over r first made the batch-1 step 0.8 %
+    # faster at a 256-token context and 1.0 % at 4,096, in each of three interleaved pairs; the rows'
+    # r and g then 1.2 % more at 256 tokens and 0-1 % at 4,096 (H100, session 44, bench_step_knobs).
     pid = tl.program_id(0)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.load(res_ptr + n, mask=n < H, other=0.0)  # before the wait (above)
+        g = tl.load(norm_ptr + n, mask=n < H, other=0.0)
         o = _rows_times_attention(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K, AHEAD, PDL)
         if pid == 0:  # lowered before the gate/up launch's routing program can raise it
             tl.store(ready_ptr, 0)
-        r = tl.load(res_ptr + n, mask=n < H, other=0.0)
-        g = tl.load(norm_ptr + n, mask=n < H, other=0.0)
         h = (r.to(tl.float32) + o.to(r.dtype).to(tl.float32)).to(r.dtype)
         tl.store(h_out_ptr + n, h, mask=n < H)
         tl.store(y_ptr + n, weighted(h, g), mask=n < H)
