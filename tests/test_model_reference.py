@@ -6,7 +6,9 @@ import torch
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
+from zipmoe.engine.model import StepInputs
 from zipmoe.engine.sequence import SamplingParams
+from zipmoe.kernels.layer_ops import rms_norm_reference
 from zipmoe.prompt import ChatPrompt
 
 QUESTIONS = ["What does the receipt say the total is?", "你好，这张图片里有什么？🙂", "Count the red shapes."]
@@ -72,3 +74,26 @@ def test_cuda_engine_matches_reference(tiny_checkpoint, reference, prompts):
     # bf16 on the GPU: logits drift, so check only that the first tokens agree.
     _, bf16 = run_engine(tiny_checkpoint, prompts, 4, device="cuda", dtype="bfloat16")
     assert sum(a[0] == b[0] for a, b in zip(bf16, fp32)) >= 2
+
+
+def test_the_last_layer_norms_what_its_deepstack_features_leave(tiny_checkpoint):
+    """A last layer with DeepStack features (a model whose visual features reach every layer) adds
+    them, then takes the final norm: with features that change nothing, what the last layer
+    without them returns; with features that set every row to ones, the final norm of ones."""
+    engine = LLMEngine(tiny_checkpoint, EngineConfig(num_kv_blocks=64, max_model_len=256))
+    model, kv = engine.model, engine.runner.kv
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, model.cfg.hidden_size, generator=g)
+    attn = torch.randn(3, model.cfg.num_heads * model.cfg.head_dim, generator=g)
+    step = StepInputs(positions=torch.zeros(3, 3, dtype=torch.long), slots=torch.zeros(3, dtype=torch.long),
+                      is_prefill=True)
+    last = model.layers[-1]
+
+    def rest(inject):
+        x, q = model.layer_rest(last, None, h, attn, None, None, step, kv, [], inject)
+        assert q is None
+        return x
+
+    torch.testing.assert_close(rest(lambda x: x), rest(None))
+    want = rms_norm_reference(torch.ones_like(h), model.norm, model.cfg.rms_norm_eps)
+    torch.testing.assert_close(rest(lambda x: torch.ones_like(x)), want)
