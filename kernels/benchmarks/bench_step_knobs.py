@@ -20,13 +20,12 @@ expert union throughout.
   (`paged_attention.MAX_SPLITS`: 1 to 16; a split is whole tiles, so short contexts use fewer).
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
   (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
-  them the down GEMM without its loads ahead, the output projection at 2 rows a program and the
-  experts' K tile at 256.
+  them the down GEMM without its loads ahead and the experts' K tile at 256.
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
-  (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages, the
-  folded output projection's rows a program (`folded_router.OUT_PROJ_ROWS`).
+  (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages.
 - out_proj (batch 1, the same contexts): the folded output projection's rows a program
-  (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4) with half or all of their weights loaded ahead.
+  (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4, 8) with half or all of their weights loaded ahead (the
+  `columns` and `tiles` sets timed 2 and 8 rows before session 44: their result files name them).
 - ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
   weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
@@ -92,7 +91,6 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("gate/up 32 columns a program (192 programs, before)", [(folded_router, "FOLD_COLUMNS", 0)]),
             ("gate/up 48 columns a program (128 programs)", [(folded_router, "FOLD_COLUMNS", 48)]),
             ("down GEMM without loads ahead", [(fused_moe, "ahead_width", _ahead(0))]),
-            ("output projection 2 rows a program", [(folded_router, "OUT_PROJ_ROWS", 2)]),
             ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("committed again", []),
         ]),
@@ -109,8 +107,6 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("q/k/v 2 warps", [(qkv_norm_rope, "QKV_WARPS", 2)]),
             ("q/k/v 8 warps", [(qkv_norm_rope, "QKV_WARPS", 8)]),
             ("q/k/v 1 stage", [(qkv_norm_rope, "QKV_STAGES", 1)]),
-            ("output projection 2 rows a program", [(folded_router, "OUT_PROJ_ROWS", 2)]),
-            ("output projection 8 rows a program", [(folded_router, "OUT_PROJ_ROWS", 8)]),
             ("committed again", []),
         ]),
         "out_proj": (BATCH_1, [
@@ -121,6 +117,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("1 row, half ahead", [(folded_router, "OUT_PROJ_ROWS", 1)]),
             ("1 row, all ahead",
              [(folded_router, "OUT_PROJ_ROWS", 1), (folded_router, "ahead_width", _ahead(share=2.0))]),
+            ("8 rows, half ahead", [(folded_router, "OUT_PROJ_ROWS", 8)]),
             ("committed again", []),
         ]),
         "ahead": (BATCH_1, [
