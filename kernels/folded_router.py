@@ -15,7 +15,7 @@ itself. So:
 1. `_out_proj_logits_kernel`: the output projection's rows with the residual add (h, stored), y =
    g * h (stored), and in E / BLOCK_N programs more the router's logits before the norm's scale
    (float32);
-2. `_routed_gate_up_kernel`: every program takes h's RMS and the ranks of the scaled logits itself
+2. `_routed_gate_up_kernel`: every program takes h's RMS and the top-K of the scaled logits itself
    (4 kB and 512 B from L2), finds its slot's expert, and runs the gate and up GEMMs on y (their
    sums times 1 / RMS); one program more stores the ids and weights;
 3. `fused_moe.down_per_slot`: the down GEMM of each slot, times its weight, unsummed (the next
@@ -54,8 +54,8 @@ import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU
 import triton.language as tl
 
 
-# The gate/up kernel ranks every expert against every other, an [E, E] comparison in each program:
-# built and measured for Qwen3-30B-A3B's 128 experts; more, and the model keeps the unfolded router.
+# Built and measured for Qwen3-30B-A3B's 128 experts (each gate/up program takes the top-K of all E
+# logits itself); more, and the model keeps the unfolded router.
 FOLD_MAX_EXPERTS = 128
 # The fold's expert GEMMs take at most this many pipeline stages. The sweep tunes the MoE layer
 # alone (`fused_moe.pick_config`: 4 at batch 1); in the step, where the down GEMM holds rows loaded
@@ -74,6 +74,13 @@ FOLD_COLUMNS = 24
 # sessions 43 and 44, bench_step_knobs' "columns" and "out_proj" sets), all of the rows' weights
 # loaded ahead of the wait 0-2 % slower.
 OUT_PROJ_ROWS = 4
+# The K tile of the fold's gate/up GEMM, whatever the MoE layer's tuned config: at 256 a program takes
+# 80 kB of shared memory, so at most two share a multiprocessor. Where a program needs little (64
+# registers since the top-K takes K rounds of a max, 40 kB at the tuned 128), the launch, placed
+# while the output projection still holds most multiprocessors, stacks up to five on the few with
+# room, and the batch-1 step was 2.5-2.8 % slower than with the one-pass ranking it replaced; at 256
+# it is 2.2-2.4 % faster (H100, session 45, bench_step_knobs' "top_k" set).
+FOLD_GATE_UP_BLOCK_K = 256
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,15 +169,38 @@ def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _top_k_ids(rank, e, K: tl.constexpr, K_PAD: tl.constexpr):
-    """(the router's top-K ids [K_PAD] by rank, which expert each slot holds [K_PAD, E_PAD])."""
+def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr):
+    """(the router's top-K ids [K_PAD] in rank order, which expert each slot holds [K_PAD, E_PAD]) of
+    the logits [E_PAD] (-inf past E). An expert ranks ahead of another with a larger logit, or an
+    equal one and a lower id (the order of `layer_ops.store_softmax_topk`). Each expert gets one
+    integer key in that order, its logit's bits made to order as signed integers above its id
+    reversed, and K rounds take the largest key left: one element a thread, K reductions. Ranking
+    every expert against every other, an [E, E] comparison, took 1,700 instructions a thread ahead
+    of the first weight load in every gate/up program against 270 (sm_90). PACKED (logits that are bfloat16
+    values, at most 65,536 experts): the logit's 16 high bits and the id in an int32 key; otherwise
+    all 32 and the id in an int64 one. A NaN logit ranks ahead of every number (as torch.topk has
+    it) and -0.0 as +0.0, so the ids are always distinct experts."""
     k = tl.arange(0, K_PAD)
-    chosen = (rank[None, :] == k[:, None]) & (k[:, None] < K)
-    return tl.sum(tl.where(chosen, e[None, :], 0), axis=1).to(tl.int64), chosen
+    bits = tl.where(logit == logit, tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True)), 0x7FC00000)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a negative float's magnitude bits flipped
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
+    if PACKED:
+        key = (ordered & -65536) | (65535 - e)
+        for r in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            ids = tl.where(k == r, (65535 - (best & 65535)).to(tl.int64), ids)
+            key = tl.where(key == best, -2147483648, key)
+    else:
+        key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - e).to(tl.int64)
+        for r in tl.static_range(K):
+            best = tl.max(key, axis=0)
+            ids = tl.where(k == r, E_PAD - 1 - (best & 0xFFFFFFFF), ids)
+            key = tl.where(key == best, -9223372036854775808, key)
+    return ids, (e[None, :] == ids[:, None]) & (k[:, None] < K)
 
 
 @triton.jit
-def _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K: tl.constexpr,
+def _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K: tl.constexpr,
                 K_PAD: tl.constexpr, K1: tl.constexpr, HAS_OPT_OUT: tl.constexpr):
     """A lone token's ids after SERE (`sere_reroute_reference` for a batch of one): its first K1
     experts are the primary set; a later slot holding an unprotected e moves to the primary most
@@ -179,7 +209,8 @@ def _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out
     k = tl.arange(0, K_PAD)
     sim = tl.load(sim_ptr + router_ids[:, None] * E + e[None, :], mask=(k[:, None] < K) & (e[None, :] < E),
                   other=float("-inf"))
-    sim = tl.where((rank < K1)[None, :], sim, float("-inf"))
+    primary = tl.sum(((k[:, None] < K1) & chosen).to(tl.int32), axis=0) > 0
+    sim = tl.where(primary[None, :], sim, float("-inf"))
     protected = tl.load(protect_ptr + router_ids, mask=k < K, other=0).to(tl.int32)
     move = (k >= K1) & (protected == 0) & (tl.max(sim, axis=1) >= threshold)
     if HAS_OPT_OUT:
@@ -211,13 +242,11 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, COLUMNS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PACKED: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
-    # scaled by it and rounded to the model's dtype (as F.linear rounds them), each expert's rank
-    # among them (the experts ahead: a larger logit, or an equal one with a lower id, the order of
-    # `layer_ops.store_softmax_topk`), and the expert ranked `slot`: the ranks in one pass, as this is
-    # on the path to the first weight load (K rounds of argmax, as `store_softmax_topk` takes them:
-    # the batch-1 step 2.4 points less ahead of the unfolded one, docs/PERFORMANCE.md). The GEMM's
+    # scaled by it and rounded to the model's dtype (as F.linear rounds them), their top-K in rank
+    # order (`_top_k_ids`: K rounds of a max over one integer key an expert, as this is on the path
+    # to the first weight load) and the expert ranked `slot`. The GEMM's
     # input is y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the
     # plain gate/up kernel's (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a
     # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
@@ -241,15 +270,12 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     e = tl.arange(0, E_PAD)
     raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
     logit = tl.where(e < E, (raw * inv).to(h_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-    mine, theirs = logit[:, None], logit[None, :]
-    ahead = (theirs > mine) | ((theirs == mine) & (e[None, :] < e[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    router_ids, chosen = _top_k_ids(logit, e, K, K_PAD, E_PAD, PACKED)
+    ids = router_ids
+    if SERE:
+        ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
+                          HAS_OPT_OUT)
     if slot == K:
-        router_ids, chosen = _top_k_ids(rank, e, K, K_PAD)
-        ids = router_ids
-        if SERE:
-            ids = _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
-                              HAS_OPT_OUT)
         if kept == K:
             _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
                            K, K_PAD, ROUTER_NORMALIZE)
@@ -261,13 +287,7 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
-        if SERE:
-            router_ids, _ = _top_k_ids(rank, e, K, K_PAD)
-            ids = _sere_moves(router_ids, rank, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
-                              HAS_OPT_OUT)
-            expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
-        else:
-            expert = tl.sum(tl.where(rank == slot, e, 0)).to(tl.int64)
+        expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
         m = tl.arange(0, BLOCK_M)
         cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
         col_ok = ((tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I))[None, :]
@@ -319,14 +339,15 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
     hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
     columns = FOLD_COLUMNS or cfg.block_n
-    up_cfg = dataclasses.replace(cfg, block_n=max(16, triton.next_power_of_2(columns)))  # tl.dot's least
+    up_cfg = dataclasses.replace(cfg, block_n=max(16, triton.next_power_of_2(columns)),  # tl.dot's least
+                                 block_k=FOLD_GATE_UP_BLOCK_K or cfg.block_k)
     _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, columns))](
         h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
         ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
-        **launch_options_moe(up_cfg, h))
+        PACKED=h.dtype == torch.bfloat16 and E <= 1 << 16, **launch_options_moe(up_cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
     per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True, ready=ready)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights

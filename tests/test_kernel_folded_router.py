@@ -15,6 +15,9 @@ from zipmoe.kernels import dependent_launch, folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
 
+import triton  # after zipmoe.kernels, which chose the interpreter on machines without CUDA
+import triton.language as tl
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -206,3 +209,41 @@ def test_the_model_folds_its_routers_up_to_the_expert_limit(tiny_checkpoint, mon
                                                   max_num_batched_tokens=64))
     moe = [layer for layer in eng.model.layers if layer.is_moe]
     assert moe and all((layer.gate_r is not None) == folded for layer in moe)
+
+
+@triton.jit
+def _top_k_ids_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      PACKED: tl.constexpr):
+    e = tl.arange(0, E_PAD)
+    ids, _ = folded_router._top_k_ids(tl.load(logit_ptr + e, mask=e < E, other=float("-inf")), e, K, K_PAD, E_PAD,
+                                      PACKED)
+    tl.store(ids_ptr + tl.arange(0, K_PAD), ids, mask=tl.arange(0, K_PAD) < K)
+
+
+def _ranked(logits: list[float]) -> list[int]:
+    """The experts in rank order: a NaN first, then the larger logit, then the lower id."""
+    return sorted(range(len(logits)), key=lambda i: (logits[i] == logits[i], -logits[i] if logits[i] == logits[i]
+                                                     else 0.0, i))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_top_k_ids_rank_larger_logits_then_lower_ids(device, packed):
+    """The gate/up programs' top-K (K rounds of a max over one integer key an expert) against a sort,
+    on logits with many ties that are bfloat16 values (what PACKED keys assume, exactly): negative
+    and positive, -0.0 beside +0.0, -inf, a NaN (ahead of all, as torch.topk has it), experts not a
+    power of two. The ids are always distinct experts."""
+    g = torch.Generator().manual_seed(7)
+    E, K = 100, 8
+    for case in range(6):
+        logits = (torch.randint(-6, 6, (E,), generator=g) / 4.0).to(torch.bfloat16).float()  # ties everywhere
+        logits[torch.randperm(E, generator=g)[:6]] = torch.tensor([0.0, -0.0, -0.0, float("-inf"), 1e-30, -1e-30])
+        if case % 2:
+            logits[case * 7] = float("nan")
+        if case >= 4:  # the largest are zeros, of both signs
+            logits = -logits.abs()
+            logits[(logits == 0) & (torch.arange(E) % 2 == 0)] = 0.0
+        logits = logits.to(device)
+        ids = torch.empty(K, dtype=torch.int64, device=device)
+        _top_k_ids_kernel[(1,)](logits, ids, E, K=K, K_PAD=8, E_PAD=128, PACKED=packed)
+        assert ids.tolist() == _ranked(logits.tolist())[:K], case

@@ -26,6 +26,9 @@ expert union throughout.
 - out_proj (batch 1, the same contexts): the folded output projection's rows a program
   (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4, 8) with half or all of their weights loaded ahead (the
   `columns` and `tiles` sets timed 2 and 8 rows before session 44: their result files name them).
+- top_k (batch 1, the same contexts): the fold's gate/up K tile (`folded_router.FOLD_GATE_UP_BLOCK_K`,
+  which keeps its programs at two a multiprocessor), beside the down GEMM's K tile and 32 columns (the
+  result files of session 45 also time the top-K it replaced, ranks in one [E, E] pass, then a knob).
 - ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
   weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
@@ -47,9 +50,9 @@ BATCH_1 = ((1, 256), (1, 4096))
 
 
 def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
-    """The fold's expert GEMMs at this tile shape (block_m 16: one token's slots)."""
+    """The fold's expert GEMMs, gate/up and down, at this tile shape (block_m 16: one token's slots)."""
     return [(folded_router, "pick_config", lambda *args: MoeConfig(16, block_n, block_k, warps, stages)),
-            (folded_router, "FOLD_STAGES", stages)]
+            (folded_router, "FOLD_STAGES", stages), (folded_router, "FOLD_GATE_UP_BLOCK_K", block_k)]
 
 
 def _ahead(width: int | None = None, share: float = 1.0):
@@ -118,6 +121,13 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("1 row, all ahead",
              [(folded_router, "OUT_PROJ_ROWS", 1), (folded_router, "ahead_width", _ahead(share=2.0))]),
             ("8 rows, half ahead", [(folded_router, "OUT_PROJ_ROWS", 8)]),
+            ("committed again", []),
+        ]),
+        "top_k": (BATCH_1, [
+            ("committed (gate/up K tile 256)", []),
+            ("gate/up K tile 128 (the config's)", [(folded_router, "FOLD_GATE_UP_BLOCK_K", 0)]),
+            ("gate/up and down K tile 256", _experts(32, 256, 4, 3)),
+            ("gate/up K tile 256, 32 columns", [(folded_router, "FOLD_COLUMNS", 32)]),
             ("committed again", []),
         ]),
         "ahead": (BATCH_1, [
