@@ -176,9 +176,9 @@ def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constex
     integer key in that order, its logit's bits made to order as signed integers above its id
     reversed, and K rounds take the largest key left: one element a thread, K reductions. Ranking
     every expert against every other, an [E, E] comparison, took 1,700 instructions a thread ahead
-    of the first weight load in every gate/up program against 270 (sm_90). PACKED (logits that are bfloat16
-    values, at most 65,536 experts): the logit's 16 high bits and the id in an int32 key; otherwise
-    all 32 and the id in an int64 one. A NaN logit ranks ahead of every number (as torch.topk has
+    of the first weight load in every gate/up program against 270 (sm_90). PACKED (logits that are
+    bfloat16 values, at most 65,536 experts): the logit's 16 high bits and the id in an int32 key;
+    otherwise all 32 and the id in an int64 one. A NaN logit ranks ahead of every number (as torch.topk has
     it) and -0.0 as +0.0, so the ids are always distinct experts."""
     k = tl.arange(0, K_PAD)
     bits = tl.where(logit == logit, tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True)), 0x7FC00000)
@@ -246,10 +246,10 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them), their top-K in rank
     # order (`_top_k_ids`: K rounds of a max over one integer key an expert, as this is on the path
-    # to the first weight load) and the expert ranked `slot`. The GEMM's
-    # input is y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the
-    # plain gate/up kernel's (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a
-    # layer on the H100: its operand no longer streamed straight from memory). Programs (K, *)
+    # to the first weight load) and the expert ranked `slot`. The GEMM's input is y = g * h as
+    # stored, its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's
+    # (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a layer on the H100: its
+    # operand no longer streamed straight from memory). Programs (K, *)
     # compute no slot: the first of them stores the routing, off the GEMM programs' path (one
     # program beside the slots' K x I / COLUMNS, 256 at the 30B shape, two a multiprocessor).
     # KEEP < K: slots from KEEP on are dropped (no GEMM; the down GEMM skips them too), unless the
