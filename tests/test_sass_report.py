@@ -32,6 +32,7 @@ def test_every_kernel_of_the_batch_1_layer_compiles_for_sm_90(committed):
     assert {r["kernel"] for r in committed["rows"]} == KERNELS
     for r in committed["rows"]:
         assert 16 <= r["registers"] <= 255 and r["stack_bytes"] >= 0 and r["local_ops"] >= 0 and r["shared_bytes"] > 0
+        assert r["instructions"] > 100  # a kernel's code, counted from its SASS listing
 
 
 def test_a_patch_changes_the_kernel_it_reaches(tmp_path, committed):

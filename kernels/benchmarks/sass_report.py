@@ -14,8 +14,11 @@ ships; `cuobjdump` reads the registers, stack (spills) and local loads and store
 GEMMs take the tuned tile shapes of --device-name (`fused_moe_configs.json`). A kernel that spills
 is slower than its loads say: the 128-key attention tile loaded ahead of its wait spills (191
 local loads and stores) and was measured slower (docs/PERFORMANCE.md, session 38), the 64-key one
-does not. It also catches what Triton's interpreter lets through, such as a name that both
-branches of a runtime `if` assign at different shapes.
+does not. The code's length counts too: ranking 128 experts against each other, Triton unrolled
+about 1,700 instructions a thread ahead of the gate/up GEMM's first weight load, and its
+replacement took that to 270 (docs/PERFORMANCE.md, session 45). It also catches what Triton's
+interpreter lets through, such as a name that both branches of a runtime `if` assign at different
+shapes.
 
 The kernels run in Triton's interpreter on machines without CUDA (`zipmoe/kernels/__init__.py`), so
 this module runs itself again with the interpreter off when it finds it on.
@@ -108,7 +111,8 @@ def compile_for_hopper(fn, args: tuple, kwargs: dict):
 
 
 def resources(compiled) -> dict:
-    """Registers a thread, stack bytes (spills), local loads and stores, shared memory bytes."""
+    """Registers a thread, stack bytes (spills), local loads and stores, shared memory bytes, and the
+    code's length in SASS instructions."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
@@ -116,7 +120,8 @@ def resources(compiled) -> dict:
                                       check=True).stdout for flag in ("-res-usage", "-sass"))
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
     return {"registers": field["REG"], "stack_bytes": field["STACK"],
-            "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)), "shared_bytes": compiled.metadata.shared}
+            "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)), "shared_bytes": compiled.metadata.shared,
+            "instructions": len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/", sass, re.MULTILINE))}
 
 
 def report(patches: list[str], device_name: str) -> list[dict]:
@@ -148,10 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = report(args.patch, args.device_name)
-    print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9}")
+    print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9} "
+          f"{'instrs':>7}")
     for r in rows:
         print(f"{r['kernel']:26} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>8} "
-              f"{r['local_ops']:>9} {r['shared_bytes']:>9}")
+              f"{r['local_ops']:>9} {r['shared_bytes']:>9} {r['instructions']:>7}")
     if args.out:
         args.out.write_text(json.dumps({"arch": f"sm_{TARGET_ARCH}", "patches": args.patch, "rows": rows}, indent=1))
 
