@@ -83,8 +83,9 @@ def test_what_is_handed_over_after_close_is_still_delivered():
     assert sink.responses == ["late"] and sink.finals == 1
 
 
-def test_a_failed_send_reports_gone_and_drops_the_rest_of_that_request():
-    writer = ResponseWriter(threads=1)
+def test_a_failed_send_reports_gone_drops_the_rest_of_that_request_and_is_logged():
+    logged = []
+    writer = ResponseWriter(threads=1, log=logged.append)
     failing, fine = FailingSink(), Sink()
     writer.send(1, failing, "a", final=False)
     writer.send(1, failing, "b", final=False)
@@ -93,6 +94,7 @@ def test_a_failed_send_reports_gone_and_drops_the_rest_of_that_request():
     writer.close()
     assert writer.take_stopped() == {1: GONE}
     assert failing.errors == [] and fine.responses == ["c"]
+    assert len(logged) == 1 and "could not be sent" in logged[0] and "the client went away" in logged[0]
 
 
 class HeldSink(Sink):

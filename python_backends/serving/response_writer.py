@@ -12,7 +12,7 @@ The engine thread (`serving.decoder.DecoderService`) hands every response to `se
 and goes on; `threads` writer threads deliver them. A request's responses all go through one thread
 (picked by its key), in the order they were handed over. The same threads poll their requests'
 `is_cancelled` at most every `poll_s` and report a client that cancelled, or a send that failed (the
-client is gone), through `take_stopped()`, which the engine thread reads before each step: it stops
+client is gone; logged, as a send may fail for a client still there), through `take_stopped()`, which the engine thread reads before each step: it stops
 those sequences there, as it did when it asked itself.
 """
 from __future__ import annotations
@@ -95,11 +95,13 @@ class _Writer:
                 item.sink.send(item.response, item.final)
             else:
                 item.sink.send_error(item.message, busy=item.busy)
-        except Exception:  # the client went away: stop the request, drop what else comes for it
+        except Exception as e:  # the client went away: stop the request, drop what else comes for it
             self._watched.pop(item.key, None)
             if not final:
                 self._gone.add(item.key)
             self._report(item.key, GONE)
+            if self._log is not None:  # a send can fail for a client still there: its answer then ends short
+                self._log(f"moe_decoder: a response could not be sent ({e!r}); the request is stopped")
 
     def _poll(self):
         self._polled_at = time.monotonic()
@@ -117,7 +119,8 @@ class _Writer:
 
 class ResponseWriter:
     """`threads` writer threads; keys are the requests' identities (the service's Pending.key). log:
-    where an `is_cancelled()` that raised is reported (the request is then stopped as cancelled)."""
+    where an `is_cancelled()` that raised, or a send that failed, is reported (the request is then
+    stopped as cancelled, or as gone)."""
 
     def __init__(self, threads: int = 4, poll_s: float = CANCEL_POLL_S, log: Callable[[str], None] | None = None):
         self._stopped: dict[int, str] = {}
