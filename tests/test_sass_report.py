@@ -44,6 +44,23 @@ def test_a_patch_changes_the_kernel_it_reaches(tmp_path, committed):
     assert none["_routed_gate_up_kernel"] == ahead["_routed_gate_up_kernel"]
 
 
+def test_the_fold_gate_up_programs_sit_two_a_multiprocessor(tmp_path, committed):
+    """Its K tile of 256 (80 kB of shared memory) keeps the launch at two programs a multiprocessor;
+    at the tuned 128 five would fit, and the step was slower (docs/PERFORMANCE.md, session 45)."""
+    per_sm = {r["kernel"]: r["per_multiprocessor"] for r in committed["rows"]}
+    assert per_sm["_routed_gate_up_kernel"] == 2 and all(n >= 1 for n in per_sm.values())
+    tuned = _report(tmp_path, "--patch", "folded_router.FOLD_GATE_UP_BLOCK_K=0")
+    assert {r["kernel"]: r["per_multiprocessor"] for r in tuned["rows"]}["_routed_gate_up_kernel"] == 5
+
+
+def test_programs_a_multiprocessor_takes_the_tightest_limit():
+    from zipmoe.kernels.benchmarks.sass_report import programs_a_multiprocessor
+    assert programs_a_multiprocessor(255, 4, 40960) == 2  # registers: 256 a thread, 32 k a program
+    assert programs_a_multiprocessor(64, 4, 40960) == 5  # shared memory: 41 kB of 228
+    assert programs_a_multiprocessor(32, 8, 0) == 8  # warps: 64 a multiprocessor
+    assert programs_a_multiprocessor(16, 1, 0) == 32  # programs: 32 a multiprocessor
+
+
 def test_a_patch_of_a_name_the_module_lacks_is_refused():
     """A misspelt knob would otherwise be set as a new attribute and change nothing."""
     run = subprocess.run([sys.executable, "-m", "zipmoe.kernels.benchmarks.sass_report", "--patch",

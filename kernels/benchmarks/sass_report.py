@@ -16,7 +16,8 @@ is slower than its loads say: the 128-key attention tile loaded ahead of its wai
 local loads and stores) and was measured slower (docs/PERFORMANCE.md, session 38), the 64-key one
 does not. The code's length counts too: ranking 128 experts against each other, Triton unrolled
 about 1,700 instructions a thread ahead of the gate/up GEMM's first weight load, and its
-replacement took that to 270 (docs/PERFORMANCE.md, session 45). It also catches what Triton's
+replacement took that to 270 (docs/PERFORMANCE.md, session 45); and so do the programs that fit a
+multiprocessor at once ("per SM"). It also catches what Triton's
 interpreter lets through, such as a name that both branches of a runtime `if` assign at different
 shapes.
 
@@ -44,6 +45,9 @@ from zipmoe.serve import REAL_SHAPE_CHECKPOINT
 
 BLOCK, CONTEXT_BLOCKS = 16, 256  # a 4,096-token table
 TARGET_ARCH = 90
+# A Hopper multiprocessor's limits (CUDA's occupancy rules for sm_90): registers are given a warp at a
+# time in units of 256; each block also takes 1 kB of the shared memory for the system.
+SM_REGISTERS, SM_SHARED_BYTES, SM_WARPS, SM_BLOCKS, BLOCK_RESERVED_SHARED = 65536, 233472, 64, 32, 1024
 
 
 class _Recorder:
@@ -124,6 +128,16 @@ def resources(compiled) -> dict:
             "instructions": len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/", sass, re.MULTILINE))}
 
 
+def programs_a_multiprocessor(registers: int, warps: int, shared_bytes: int) -> int:
+    """How many of a launch's programs fit on one multiprocessor at once: the fewest its registers,
+    shared memory and warps allow. Fewer registers and less shared memory are not always better: a
+    launch placed while the one before still holds most multiprocessors stacks its programs on the
+    few with room, up to this many (docs/PERFORMANCE.md, sessions 43 and 45)."""
+    warp_registers = -(-registers * 32 // 256) * 256
+    return min(SM_REGISTERS // (warp_registers * warps), SM_SHARED_BYTES // (shared_bytes + BLOCK_RESERVED_SHARED),
+               SM_WARPS // warps, SM_BLOCKS)
+
+
 def report(patches: list[str], device_name: str) -> list[dict]:
     """One row a kernel of the batch-1 layer, with `patches` ("module.NAME=json value") applied
     while the kernels are launched, and the expert GEMMs at device_name's tuned tiles."""
@@ -140,8 +154,11 @@ def report(patches: list[str], device_name: str) -> list[dict]:
         for obj, name, value in settings:
             patched.enter_context(mock.patch.object(obj, name, value))
         launches = _step_launches()
-    return [{"kernel": name, "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3),
+    rows = [{"kernel": name, "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3),
              **resources(compile_for_hopper(fn, args, kwargs))} for name, fn, args, kwargs in launches]
+    for r in rows:
+        r["per_multiprocessor"] = programs_a_multiprocessor(r["registers"], r["num_warps"], r["shared_bytes"])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,10 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = report(args.patch, args.device_name)
     print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9} "
-          f"{'instrs':>7}")
+          f"{'instrs':>7} {'per SM':>6}")
     for r in rows:
         print(f"{r['kernel']:26} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>8} "
-              f"{r['local_ops']:>9} {r['shared_bytes']:>9} {r['instructions']:>7}")
+              f"{r['local_ops']:>9} {r['shared_bytes']:>9} {r['instructions']:>7} {r['per_multiprocessor']:>6}")
     if args.out:
         args.out.write_text(json.dumps({"arch": f"sm_{TARGET_ARCH}", "patches": args.patch, "rows": rows}, indent=1))
 
