@@ -169,33 +169,30 @@ def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr):
+def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, PACKED: tl.constexpr):
     """(the router's top-K ids [K_PAD] in rank order, which expert each slot holds [K_PAD, E_PAD]) of
     the logits [E_PAD] (-inf past E). An expert ranks ahead of another with a larger logit, or an
     equal one and a lower id (the order of `layer_ops.store_softmax_topk`). Each expert gets one
     integer key in that order, its logit's bits made to order as signed integers above its id
     reversed, and K rounds take the largest key left: one element a thread, K reductions. Ranking
     every expert against every other, an [E, E] comparison, took 1,700 instructions a thread ahead
-    of the first weight load in every gate/up program against 270 (sm_90). PACKED (logits that are
-    bfloat16 values, at most 65,536 experts): the logit's 16 high bits and the id in an int32 key;
-    otherwise all 32 and the id in an int64 one. A NaN logit ranks ahead of every number (as torch.topk has
-    it) and -0.0 as +0.0, so the ids are always distinct experts."""
+    of the first weight load in every gate/up program against 270 (sm_90). The id takes the key's 16
+    low bits (at most 65,536 experts; the fold takes 128). PACKED (logits that are bfloat16 values):
+    the logit's 16 high bits above it, an int32 key; otherwise all 32, an int64 one. A NaN logit ranks
+    ahead of every number (as torch.topk has it) and -0.0 as +0.0, so the ids are always distinct
+    experts."""
     k = tl.arange(0, K_PAD)
     bits = tl.where(logit == logit, tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True)), 0x7FC00000)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a negative float's magnitude bits flipped
-    ids = tl.zeros([K_PAD], dtype=tl.int64)
     if PACKED:
-        key = (ordered & -65536) | (65535 - e)
-        for r in tl.static_range(K):
-            best = tl.max(key, axis=0)
-            ids = tl.where(k == r, (65535 - (best & 65535)).to(tl.int64), ids)
-            key = tl.where(key == best, -2147483648, key)
+        key, lowest = (ordered & -65536) | (65535 - e), -2147483648
     else:
-        key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - e).to(tl.int64)
-        for r in tl.static_range(K):
-            best = tl.max(key, axis=0)
-            ids = tl.where(k == r, E_PAD - 1 - (best & 0xFFFFFFFF), ids)
-            key = tl.where(key == best, -9223372036854775808, key)
+        key, lowest = (ordered.to(tl.int64) << 32) | (65535 - e), -9223372036854775808
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
+    for r in tl.static_range(K):
+        best = tl.max(key, axis=0)
+        ids = tl.where(k == r, (65535 - (best & 65535)).to(tl.int64), ids)
+        key = tl.where(key == best, lowest, key)  # taken: below every key
     return ids, (e[None, :] == ids[:, None]) & (k[:, None] < K)
 
 
@@ -270,7 +267,7 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     e = tl.arange(0, E_PAD)
     raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
     logit = tl.where(e < E, (raw * inv).to(h_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-    router_ids, chosen = _top_k_ids(logit, e, K, K_PAD, E_PAD, PACKED)
+    router_ids, chosen = _top_k_ids(logit, e, K, K_PAD, PACKED)
     ids = router_ids
     if SERE:
         ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
@@ -347,7 +344,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
-        PACKED=h.dtype == torch.bfloat16 and E <= 1 << 16, **launch_options_moe(up_cfg, h))
+        PACKED=h.dtype == torch.bfloat16, **launch_options_moe(up_cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
     per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True, ready=ready)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights

@@ -215,8 +215,7 @@ def test_the_model_folds_its_routers_up_to_the_expert_limit(tiny_checkpoint, mon
 def _top_k_ids_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                       PACKED: tl.constexpr):
     e = tl.arange(0, E_PAD)
-    ids, _ = folded_router._top_k_ids(tl.load(logit_ptr + e, mask=e < E, other=float("-inf")), e, K, K_PAD, E_PAD,
-                                      PACKED)
+    ids, _ = folded_router._top_k_ids(tl.load(logit_ptr + e, mask=e < E, other=float("-inf")), e, K, K_PAD, PACKED)
     tl.store(ids_ptr + tl.arange(0, K_PAD), ids, mask=tl.arange(0, K_PAD) < K)
 
 

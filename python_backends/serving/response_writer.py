@@ -12,8 +12,9 @@ The engine thread (`serving.decoder.DecoderService`) hands every response to `se
 and goes on; `threads` writer threads deliver them. A request's responses all go through one thread
 (picked by its key), in the order they were handed over. The same threads poll their requests'
 `is_cancelled` at most every `poll_s` and report a client that cancelled, or a send that failed (the
-client is gone; logged, as a send may fail for a client still there), through `take_stopped()`, which the engine thread reads before each step: it stops
-those sequences there, as it did when it asked itself.
+client is gone; logged, as a send may fail for a client still there), through `take_stopped()`,
+which the engine thread reads before each step: it stops those sequences there, as it did when it
+asked itself.
 """
 from __future__ import annotations
 
