@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from zipmoe.models.io import Metrics, SyncedMetric
-from zipmoe.serving.errors import BadInput, ModelError, ServerBusy
+from zipmoe.serving.errors import BadInput, ModelError, ServerBusy, StreamLost
 from zipmoe.serving.load import DEFAULT_PRIORITY, MAX_LEVEL
-from zipmoe.serving.pipeline import (METRICS, UNANSWERED, PipelineConfig, QAPipeline, QARequest, VisionBatcher,
-                                     renumber_images)
+from zipmoe.serving.pipeline import (LOST_STREAM_TRIES, METRICS, UNANSWERED, PipelineConfig, QAPipeline, QARequest,
+                                     VisionBatcher, renumber_images)
 from zipmoe.visionzip import ImageFeatures, VisionZipConfig
 
 WIDTH = 8
@@ -28,8 +28,9 @@ def features(image: bytes) -> ImageFeatures:
 
 
 class Stream:
-    def __init__(self, n: int, fail_at: int | None):
+    def __init__(self, n: int, fail_at: int | None, lost: bool = False):
         self.n, self.fail_at, self.read, self.drained, self.cancelled_at = n, fail_at, 0, False, None
+        self.lost = lost  # ends before its first response, as a stream whose responses went astray
 
     def _next(self):
         while self.read < self.n:
@@ -37,6 +38,8 @@ class Stream:
             yield self.read - 1
 
     def __iter__(self):
+        if self.lost:
+            raise StreamLost("moe_decoder's stream ended before its first response")
         for i in self._next():
             if i == self.fail_at:
                 raise ModelError("moe_decoder: boom")
@@ -55,9 +58,10 @@ class Stream:
 
 class Calls:
     def __init__(self, responses: int = 4, fail_at: int | None = None, bad_image: bytes | None = None,
-                 gate: threading.Event | None = None, busy: str | None = None):
+                 gate: threading.Event | None = None, busy: str | None = None, lost: int = 0):
         self.responses, self.fail_at, self.bad_image = responses, fail_at, bad_image
         self.gate, self.busy = gate, busy  # decode waits for the gate; answers busy
+        self.lost = lost  # the first `lost` decoder streams end before their first response
         self.encoded, self.decoded, self.streams = [], [], []
 
     def tokenize(self, question, image_count):
@@ -75,7 +79,8 @@ class Calls:
             assert self.gate.wait(10)
         if self.busy is not None:
             raise ServerBusy(self.busy)
-        self.streams.append(Stream(self.responses, self.fail_at))
+        lost = len(self.streams) < self.lost
+        self.streams.append(Stream(0 if lost else self.responses, self.fail_at, lost))
         return self.streams[-1]
 
     def detokenize(self, outputs):
@@ -142,6 +147,22 @@ def test_a_decoder_stream_that_ends_without_an_answer_is_an_error_and_logged():
     p = QAPipeline(Calls(responses=0), PipelineConfig(), VisionZipConfig(), log_error=logged.append)
     sink = ask(p)
     assert sink.sent == [] and sink.error == UNANSWERED and logged == [UNANSWERED]
+
+
+def test_a_lost_decoder_stream_is_cancelled_and_asked_again_then_an_error_and_logged():
+    """A stream that ends before its first response (its responses went astray in the stub) reached
+    the client with nothing: the decoder is told to stop it and asked again, LOST_STREAM_TRIES times."""
+    logged = []
+    calls = Calls(responses=2, lost=LOST_STREAM_TRIES - 1)
+    sink = ask(QAPipeline(calls, PipelineConfig(), VisionZipConfig(), log_error=logged.append), stream=np.array([True]))
+    assert texts(sink) == ["t0", "t1"] and sink.error is None and sink.final_with_last
+    assert len(calls.decoded) == LOST_STREAM_TRIES and [s.cancelled_at for s in calls.streams] == [0, 0, None]
+    assert len(logged) == LOST_STREAM_TRIES - 1 and all("before its first response" in m for m in logged)
+    calls = Calls(lost=LOST_STREAM_TRIES)
+    sink = ask(QAPipeline(calls, PipelineConfig(), VisionZipConfig(), log_error=logged.append))
+    assert sink.sent == [] and f"lost on its way back {LOST_STREAM_TRIES} times" in sink.error
+    assert len(calls.decoded) == LOST_STREAM_TRIES
+    assert all(s.cancelled_at == 0 for s in calls.streams)
 
 
 def test_the_keep_ratio_follows_the_level_and_the_priority():

@@ -17,6 +17,10 @@ BLS in Triton 2.51 (python backend r24.10), as it shapes this code:
 - Readers of a decoupled BLS stream must not wait inside its iterator: with several threads reading
   and starting streams, the stub can deadlock (serving/doorbell.py). moe_decoder rings a doorbell
   after each response it hands over; a stream reads one response per ring.
+- A decoupled BLS stream can end before its first response, its responses lost: seen under a burst
+  of moe_decoder's busy refusals on a loaded 2-core machine (docs/OPERATIONS.md, "Overload"). moe_decoder
+  answers every request at least once, so DecoderStream raises StreamLost and the pipeline stops the
+  call (by its tag) and asks again.
 - There is no way to cancel an in-flight BLS request (`ResponseIterator.cancel()` arrived in
   r25.04), and the client's cancellation does not reach the inner moe_decoder request (nor does it
   through the mm_qa ensemble); the pipeline reads the decoder to its end (serving/pipeline.py).
@@ -32,7 +36,7 @@ import triton_python_backend_utils as pb_utils
 from ..image_input import decode_images
 from ..serving import doorbell
 from ..serving.doorbell import Doorbells
-from ..serving.errors import SERVER_BUSY, BadInput, ModelError, ServerBusy, internal_error
+from ..serving.errors import SERVER_BUSY, BadInput, ModelError, ServerBusy, StreamLost, internal_error
 from ..serving.interface import DECODER_OPTIONS
 from ..serving.load import DEFAULT_PRIORITY, DEGRADABLE, DEGRADED
 from ..serving.pipeline import GAUGES, METRICS, QAPipeline, QARequest, split_features
@@ -87,6 +91,7 @@ class DecoderStream:
     def __init__(self, responses, tag: str, bells: Doorbells, bell):
         self._responses, self._tag, self._bells, self._bell = responses, tag, bells, bell
         self._ended = False  # the last response was read: the iterator now ends without waiting
+        self._read = 0  # responses read: none at the end is a lost stream (serving.errors.StreamLost)
 
     def cancel(self) -> None:
         """A control call to moe_decoder naming this request's tag (answered at once, read to its end)."""
@@ -104,9 +109,11 @@ class DecoderStream:
         try:
             response = next(self._responses)
         except StopIteration:
+            self._ended = True
             self._bells.discard(self._tag)
             FINISHED_CALLS.hold(self._responses)
             return None
+        self._read += 1
         # moe_decoder's last response of a stream: an error, the empty final one, or the one with a finish_reason.
         self._ended = response.has_error() or not response.output_tensors() or ends_answer(
             pb_utils.get_output_tensor_by_name(response, "finish_reason"))
@@ -117,6 +124,8 @@ class DecoderStream:
             check(response)
             if response.output_tensors():  # not the empty final response
                 yield {name: pb_utils.get_output_tensor_by_name(response, name) for name in DECODER_OUTPUTS}
+        if not self._read:
+            raise StreamLost(f"moe_decoder's stream {self._tag} ended before its first response")
 
     def drain(self) -> None:
         while self._next() is not None:

@@ -9,6 +9,13 @@ class ModelError(RuntimeError):
     """A composed model answered with an error; its message (naming the model) goes to the client."""
 
 
+class StreamLost(RuntimeError):
+    """A decoder stream that ended before its first response. moe_decoder answers every request at
+    least once (its final response), so the call's responses went astray on their way back: server
+    2.51's Python backend stub can hand them to another concurrent call's iterator (seen with bursts
+    of refusals). Nothing reached the client yet, so the pipeline may ask again."""
+
+
 class ServerBusy(RuntimeError):
     """Too many requests wait, or one waited too long: refused before it produced anything, so the
     client may retry it later. The adapters answer it with Triton's UNAVAILABLE code (HTTP 503)."""

@@ -35,7 +35,7 @@ import torch
 from ..embedding_cache import EmbeddingCache, content_key
 from ..settings import setting
 from ..visionzip import ImageFeatures, VisionZipConfig, compress, decoder_inputs
-from .errors import SHUTTING_DOWN, BadInput, ModelError, ServerBusy, internal_error, server_busy
+from .errors import SHUTTING_DOWN, BadInput, ModelError, ServerBusy, StreamLost, internal_error, server_busy
 from .load import DEFAULT_PRIORITY, KeepChooser, check_priority
 
 # moe_decoder outputs that go to the client as they are (text_output comes from postprocess).
@@ -72,7 +72,8 @@ class QARequest:
 
 
 class DecoderStream(Protocol):
-    def __iter__(self) -> Iterator[dict]: ...  # each response's outputs by name; ModelError on an error
+    # Each response's outputs by name; ModelError on an error; StreamLost when it ends before any response.
+    def __iter__(self) -> Iterator[dict]: ...
     def cancel(self) -> None: ...  # ask moe_decoder to stop this request (its stream then ends soon)
     def drain(self) -> None: ...  # read whatever is left, to the end
 
@@ -170,6 +171,7 @@ class VisionBatcher:
 
 
 UNANSWERED = "mm_qa_bls: moe_decoder ended the request without an answer"
+LOST_STREAM_TRIES = 3  # decoder calls per request whose responses all went astray (StreamLost) before it fails
 
 
 class QAPipeline:
@@ -261,7 +263,27 @@ class QAPipeline:
         # so a non-streamed decode (one response, at the end) would hold this thread, deaf to a cancel
         # of its client, for the whole answer. A non-streamed answer is joined here from the deltas.
         streaming = bool(np.asarray(request.decoder_inputs.get("stream", False)).reshape(-1)[0])
-        stream = self.calls.decode({**decoder_in, "stream": np.asarray([True])})
+        for attempt in range(1, LOST_STREAM_TRIES + 1):
+            stream = self.calls.decode({**decoder_in, "stream": np.asarray([True])})
+            try:
+                last = self._relay(stream, sink, streaming)
+                break
+            except StreamLost as e:  # nothing reached the client: ask again
+                stream.cancel()  # were it admitted after all, its tokens would go to no one
+                self._log_error(f"mm_qa_bls: {e} (try {attempt} of {LOST_STREAM_TRIES})")
+        else:
+            raise ModelError(f"mm_qa_bls: moe_decoder's answer was lost on its way back {LOST_STREAM_TRIES} times")
+        if last is None and not sink.is_cancelled():
+            # moe_decoder stopped the request unasked: an empty final response would read as an answer
+            # of nothing (HTTP generate: "expects exactly 1 response"), so say so, here and in the log.
+            self._log_error(UNANSWERED)
+            raise ModelError(UNANSWERED)
+        return last
+
+    def _relay(self, stream: DecoderStream, sink: ClientSink, streaming: bool) -> dict | None:
+        """Sends each decoder response on (its text from postprocess; when not streaming, the texts
+        joined into one at the end) and returns the last, unsent; None if the client cancelled or the
+        decoder ended without one."""
         finished, last, texts = False, None, []
         try:
             for out in stream:
@@ -282,11 +304,6 @@ class QAPipeline:
         finally:
             if not finished:  # cancelled, or an error: see the module docstring
                 stream.drain()
-        if last is None and not sink.is_cancelled():
-            # moe_decoder stopped the request unasked: an empty final response would read as an answer
-            # of nothing (HTTP generate: "expects exactly 1 response"), so say so, here and in the log.
-            self._log_error(UNANSWERED)
-            raise ModelError(UNANSWERED)
         return last
 
     def _features(self, images: list[bytes]) -> list[ImageFeatures]:
