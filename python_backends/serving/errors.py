@@ -11,9 +11,11 @@ class ModelError(RuntimeError):
 
 class StreamLost(RuntimeError):
     """A decoder stream that ended before its first response. moe_decoder answers every request at
-    least once (its final response), so the call's responses went astray on their way back: server
-    2.51's Python backend stub can hand them to another concurrent call's iterator (seen with bursts
-    of refusals). Nothing reached the client yet, so the pipeline may ask again."""
+    least once (its final response), so the call's responses went astray on their way back in server
+    2.51's Python backend stub (seen in bursts of refusals). By the stub's code, a call's iterator
+    is emptied so only when another call's first response comes back under the same id
+    (pb_stub.cc, GetResponseIterator); how that happens is not known. Nothing reached the client
+    yet, so the pipeline may ask again."""
 
 
 class ServerBusy(RuntimeError):
