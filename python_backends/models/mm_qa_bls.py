@@ -103,15 +103,17 @@ class DecoderStream:
 
     def _next(self):
         """The next response once it is buffered, or None when the stream has ended."""
+        if self._responses is None:  # read to its end (and handed to FINISHED_CALLS) already
+            return None
         if not self._ended and not doorbell.wait(self._bell):
             pb_utils.Logger.log_warn(f"mm_qa_bls: no doorbell from moe_decoder for {doorbell.RING_TIMEOUT_S:g} s "
                                      f"(stream {self._tag}): reading anyway")
         try:
             response = next(self._responses)
         except StopIteration:
-            self._ended = True
             self._bells.discard(self._tag)
             FINISHED_CALLS.hold(self._responses)
+            self._responses = None
             return None
         self._read += 1
         # moe_decoder's last response of a stream: an error, the empty final one, or the one with a finish_reason.
