@@ -246,17 +246,19 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # to the first weight load) and the expert ranked `slot`. The GEMM's input is y = g * h as
     # stored, its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's
     # (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a layer on the H100: its
-    # operand no longer streamed straight from memory). Programs (K, *)
-    # compute no slot: the first of them stores the routing, off the GEMM programs' path (one
-    # program beside the slots' K x I / COLUMNS, 256 at the 30B shape, two a multiprocessor).
+    # operand no longer streamed straight from memory). Program 0 computes no slot: it stores the
+    # routing, off the GEMM programs' path; programs 1 on are (slot, column tile), slot fastest, K x I /
+    # COLUMNS of them (256 at the 30B shape, two a multiprocessor: with a grid (K + 1, I / COLUMNS), 288
+    # programs, the 31 that only returned held 24 slots of the 264 and left as many GEMM programs a
+    # second placement after the wait).
     # KEEP < K: slots from KEEP on are dropped (no GEMM; the down GEMM skips them too), unless the
     # token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr). SERE: every slot kept, those from K1
     # on moved as `_sere_moves` says (a moved slot reads its primary's weights again, at about the
     # time the primary's programs read them).
     wait_for_inputs(PDL)
-    slot, pid_n = tl.program_id(0), tl.program_id(1)
-    if (slot == K) & (pid_n > 0):
-        return
+    pid = tl.program_id(0) - 1
+    slot = tl.where(pid < 0, K, pid % K)
+    pid_n = pid // K
     kept = KEEP
     if HAS_OPT_OUT and KEEP < K:
         kept = tl.where(tl.load(opt_out_ptr).to(tl.int1), K, KEEP)
@@ -338,7 +340,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     columns = FOLD_COLUMNS or cfg.block_n
     up_cfg = dataclasses.replace(cfg, block_n=max(16, triton.next_power_of_2(columns)),  # tl.dot's least
                                  block_k=FOLD_GATE_UP_BLOCK_K or cfg.block_k)
-    _routed_gate_up_kernel[(top_k + 1, triton.cdiv(I, columns))](
+    _routed_gate_up_kernel[(1 + top_k * triton.cdiv(I, columns),)](
         h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
         ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),

@@ -67,3 +67,13 @@ def test_a_patch_of_a_name_the_module_lacks_is_refused():
                           "paged_attention.NO_SUCH_KNOB=1"], env={**os.environ, "TRITON_INTERPRET": "0"},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "zipmoe.kernels.paged_attention has no NO_SUCH_KNOB" in run.stderr
+
+
+def test_every_kernel_of_the_batch_1_layer_is_placed_in_one_round(committed):
+    """At the 30B shape each launch's programs all fit the 132 multiprocessors at once; with the
+    gate/up's routing program in a grid row of its own (288 programs for 264 places) 24 GEMM programs
+    waited for a second placement (docs/PERFORMANCE.md, session 47)."""
+    for r in committed["rows"]:
+        assert r["programs"] >= 1 and r["rounds"] == 1, r
+    gate_up = {r["kernel"]: r for r in committed["rows"]}["_routed_gate_up_kernel"]
+    assert gate_up["programs"] == 1 + 8 * 768 // 24  # the routing program and K x I / FOLD_COLUMNS GEMM programs

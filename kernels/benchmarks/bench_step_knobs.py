@@ -29,11 +29,15 @@ expert union throughout.
 - top_k (batch 1, the same contexts): the fold's gate/up K tile (`folded_router.FOLD_GATE_UP_BLOCK_K`,
   which keeps its programs at two a multiprocessor), beside the down GEMM's K tile and 32 columns (the
   result files of session 45 also time the top-K it replaced, ranks in one [E, E] pass, then a knob).
+- down (batch 1, the same contexts): the fold's down GEMM alone at other tiles (its K tile, stages and
+  columns, which set how many of its programs fit beside the gate/up's before that launch ends).
 - ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
   weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -53,6 +57,14 @@ def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
     """The fold's expert GEMMs, gate/up and down, at this tile shape (block_m 16: one token's slots)."""
     return [(folded_router, "pick_config", lambda *args: MoeConfig(16, block_n, block_k, warps, stages)),
             (folded_router, "FOLD_STAGES", stages), (folded_router, "FOLD_GATE_UP_BLOCK_K", block_k)]
+
+
+def _down(**tile) -> list:
+    """The fold's down GEMM at its tuned config with `tile`'s fields changed; its gate/up as committed."""
+    def down_per_slot(hidden, down, weights, tile_slots, tile_expert, cfg, slot_tiles, ready=None):
+        return fused_moe.down_per_slot(hidden, down, weights, tile_slots, tile_expert,
+                                       dataclasses.replace(cfg, **tile), slot_tiles, ready)
+    return [(folded_router, "down_per_slot", down_per_slot)]
 
 
 def _ahead(width: int | None = None, share: float = 1.0):
@@ -103,7 +115,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("experts 16x32x128, 4 warps, 2 stages", _experts(32, 128, 4, 2)),
             ("experts 16x32x128, 8 warps, 3 stages", _experts(32, 128, 8, 3)),
             ("experts 16x64x128, 4 warps, 3 stages", _experts(64, 128, 4, 3)),
-            ("experts 16x16x128, 4 warps, 3 stages (384 gate/up programs)", _experts(16, 128, 4, 3)),
+            ("experts 16x16x128, 4 warps, 3 stages (the down GEMM 1,024 programs)", _experts(16, 128, 4, 3)),
             ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("q/k/v 4 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 4)]),
             ("q/k/v 16 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 16)]),
@@ -128,6 +140,16 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("gate/up K tile 128 (the config's)", [(folded_router, "FOLD_GATE_UP_BLOCK_K", 0)]),
             ("gate/up and down K tile 256", _experts(32, 256, 4, 3)),
             ("gate/up K tile 256, 32 columns", [(folded_router, "FOLD_COLUMNS", 32)]),
+            ("committed again", []),
+        ]),
+        "down": (BATCH_1, [
+            ("committed (down 16x32x128, 3 stages: 24 kB, 512 programs)", []),
+            ("down K tile 256", _down(block_k=256)),
+            ("down K tile 64", _down(block_k=64)),
+            ("down 2 stages", _down(num_stages=2)),
+            ("down 4 stages", _down(num_stages=4)),
+            ("down 64 columns (256 programs)", _down(block_n=64)),
+            ("down 16 columns (1,024 programs)", _down(block_n=16)),
             ("committed again", []),
         ]),
         "ahead": (BATCH_1, [

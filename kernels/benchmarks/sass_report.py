@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -47,6 +48,7 @@ TARGET_ARCH = 90
 # A Hopper multiprocessor's limits (CUDA's occupancy rules for sm_90): registers are given a warp at a
 # time in units of 256; each block also takes 1 kB of the shared memory for the system.
 SM_REGISTERS, SM_SHARED_BYTES, SM_WARPS, SM_BLOCKS, BLOCK_RESERVED_SHARED = 65536, 233472, 64, 32, 1024
+MULTIPROCESSORS = 132  # the H100 SXM's and the H200's
 
 
 class _Recorder:
@@ -55,16 +57,16 @@ class _Recorder:
     def __init__(self, name: str, fn, launches: list):
         self.name, self.fn, self.launches = name, fn, launches
 
-    def __getitem__(self, grid):
+    def __getitem__(self, grid: tuple):
         def record(*args, **kwargs):
             if "PDL" in kwargs:
                 kwargs.update(PDL=True, launch_pdl=True)  # as on a Hopper GPU
-            self.launches.append((self.name, self.fn, args, kwargs))
+            self.launches.append((self.name, self.fn, math.prod(grid), args, kwargs))
         return record
 
 
 def _step_launches() -> list:
-    """(name, kernel, args, kwargs) of each kernel of a batch-1 decode layer, as the ops launch them."""
+    """(name, kernel, programs, args, kwargs) of each kernel of a batch-1 decode layer, as the ops launch them."""
     from zipmoe.kernels import folded_router, fused_moe, paged_attention, qkv_norm_rope
     launches: list = []
     kernels = [(qkv_norm_rope, "_qkv_norm_rope_kernel"), (paged_attention, "_partition_kernel"),
@@ -154,9 +156,11 @@ def report(patches: list[str], device_name: str) -> list[dict]:
             patched.enter_context(mock.patch.object(obj, name, value))
         launches = _step_launches()
     rows = [{"kernel": name, "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3),
-             **resources(compile_for_hopper(fn, args, kwargs))} for name, fn, args, kwargs in launches]
+             "programs": programs, **resources(compile_for_hopper(fn, args, kwargs))}
+            for name, fn, programs, args, kwargs in launches]
     for r in rows:
         r["per_multiprocessor"] = programs_a_multiprocessor(r["registers"], r["num_warps"], r["shared_bytes"])
+        r["rounds"] = -(-r["programs"] // (r["per_multiprocessor"] * MULTIPROCESSORS))
     return rows
 
 
@@ -170,10 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = report(args.patch, args.device_name)
     print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9} "
-          f"{'instrs':>7} {'per SM':>6}")
+          f"{'instrs':>7} {'per SM':>6} {'programs':>8} {'rounds':>6}")
     for r in rows:
         print(f"{r['kernel']:26} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>8} "
-              f"{r['local_ops']:>9} {r['shared_bytes']:>9} {r['instructions']:>7} {r['per_multiprocessor']:>6}")
+              f"{r['local_ops']:>9} {r['shared_bytes']:>9} {r['instructions']:>7} {r['per_multiprocessor']:>6} "
+              f"{r['programs']:>8} {r['rounds']:>6}")
     if args.out:
         args.out.write_text(json.dumps({"arch": f"sm_{TARGET_ARCH}", "patches": args.patch, "rows": rows}, indent=1))
 
