@@ -17,8 +17,10 @@ local loads and stores) and was measured slower (docs/PERFORMANCE.md, session 38
 does not. The code's length counts too: ranking 128 experts against each other, Triton unrolled
 about 1,700 instructions a thread ahead of the gate/up GEMM's first weight load, and its
 replacement took that to 270 (docs/PERFORMANCE.md, session 45); and so do the programs that fit a
-multiprocessor at once ("per SM"). It also catches what Triton's interpreter lets through, such as
-a name that both branches of a runtime `if` assign at different shapes.
+multiprocessor at once ("per SM"). Beside them: the launch's programs at this shape and the rounds
+they take to be placed on 132 multiprocessors ("rounds", 1 where all fit at once). It also catches
+what Triton's interpreter lets through, such as a name that both branches of a runtime `if` assign
+at different shapes.
 
 The kernels run in Triton's interpreter on machines without CUDA (`zipmoe/kernels/__init__.py`), so
 this module runs itself again with the interpreter off when it finds it on.
