@@ -73,7 +73,12 @@ def test_every_kernel_of_the_batch_1_layer_is_placed_in_one_round(committed):
     """At the 30B shape each launch's programs all fit the 132 multiprocessors at once; with the
     gate/up's routing program in a grid row of its own (288 programs for 264 places) 24 GEMM programs
     waited for a second placement (docs/PERFORMANCE.md, session 47)."""
+    from zipmoe.checkpoint import TextConfig
+    from zipmoe.kernels.folded_router import FOLD_COLUMNS
+    from zipmoe.serve import REAL_SHAPE_CHECKPOINT
     for r in committed["rows"]:
         assert r["programs"] >= 1 and r["rounds"] == 1, r
+    cfg = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)
     gate_up = {r["kernel"]: r for r in committed["rows"]}["_routed_gate_up_kernel"]
-    assert gate_up["programs"] == 1 + 8 * 768 // 24  # the routing program and K x I / FOLD_COLUMNS GEMM programs
+    # the routing program, then K x I / FOLD_COLUMNS GEMM programs
+    assert gate_up["programs"] == 1 + cfg.top_k * -(-cfg.moe_intermediate_size // FOLD_COLUMNS)
