@@ -194,6 +194,11 @@ def build_engine(max_num_seqs: int = 64) -> LLMEngine:
     return engine
 
 
+def union_between(before: dict, after: dict) -> float:
+    """Distinct experts a MoE layer-step read between two `routing_stats` snapshots."""
+    return (after["union_after"] - before["union_after"]) / max(1, after["layer_steps"] - before["layer_steps"])
+
+
 def pipelined_step_us(engine: LLMEngine, steps: int) -> float:
     """Async scheduling: steps pipelined, each launched before the last one's tokens are read back;
     per step, the wall time of `steps` of them (one more is in flight at the end)."""
@@ -233,8 +238,10 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 engine.step()  # samples on the host: the step ends when its tokens are known
                 times.append((time.perf_counter() - t0) * 1e6)
             after = engine.routing_stats.snapshot()
-            union = (after["union_after"] - before["union_after"]) / (after["layer_steps"] - before["layer_steps"])
+            union = union_between(before, after)
             async_us = pipelined_step_us(engine, steps)
+            # The pipelined steps come later in the sequences, whose routing drifts (dummy weights): their own union.
+            union_pipelined = union_between(after, engine.routing_stats.snapshot())
             graphs = engine.runner.graphs
             replay_us = cuda_time_us(graphs.graphs[graphs.bucket(B)].replay, warmup=2, reps=10)
             context = prompt + 3 + steps  # at the end of the timed plain steps; the async ones ran after them
@@ -243,7 +250,8 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                                   ("graph_replay", replay_us, context)):
                 nbytes = decoder_bytes(CFG, union, B, ctx)
                 rows.append(row("decode_step", impl, B, us, nbytes, name, union, context=ctx,
-                                weight_read_us=round(nbytes / gbps_copy / 1e3, 1)))
+                                weight_read_us=round(nbytes / gbps_copy / 1e3, 1),
+                                union_pipelined=round(union_pipelined, 2)))
                 print_row(rows[-1])
             for s in seqs:
                 engine.abort(s)
