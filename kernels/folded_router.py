@@ -81,6 +81,11 @@ OUT_PROJ_ROWS = 4
 # room, and the batch-1 step was 2.5-2.8 % slower than with the one-pass ranking it replaced; at 256
 # it is 2.2-2.4 % faster (H100, session 45, bench_step_knobs' "top_k" set).
 FOLD_GATE_UP_BLOCK_K = 256
+# The K tile of the fold's down GEMM (0: the MoE layer's tuned config, 128 at batch 1). At 256 the
+# batch-1 step was 0.6-1.7 % faster on an H200 in three knob sets at 256- and 4,096-token contexts,
+# and 0.9 % pipelined in the decode bench (session 48); on an H100 within 0.8 % of 128 either way
+# over four runs (sessions 45 and 47). 48 kB of shared memory: four programs a multiprocessor.
+FOLD_DOWN_BLOCK_K = 256
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +353,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
         PACKED=h.dtype == torch.bfloat16, **launch_options_moe(up_cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
-    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), cfg, slot_tiles=True, ready=ready)
+    down_cfg = dataclasses.replace(cfg, block_k=FOLD_DOWN_BLOCK_K or cfg.block_k)
+    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), down_cfg, slot_tiles=True, ready=ready)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
 
 

@@ -2,7 +2,7 @@
 contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
-        [--knob-sets attention,keys_ahead,splits,columns,tiles,out_proj,ahead]
+        [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,ahead]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -13,6 +13,9 @@ expert union throughout.
   loaded ahead of its PDL wait (`paged_attention.keys_ahead`), and the splits its last program
   merges a round (`MERGE_AT_ONCE`: 1, 4, 16); batches 1, 16 and 64, contexts of 256 to 4,096
   tokens.
+- merge (batch 1, contexts of 300, 700 and 4,096 tokens: 5, 11 and 16 splits of 64-key tiles): the
+  splits the attention's last program merges a round (`MERGE_AT_ONCE`: 4, 8, 16), where the attention
+  set's 256 tokens use 4 splits, one round at each.
 - keys_ahead: up to how many programs a multiprocessor the attention loads its first tile ahead
   (`KEYS_AHEAD_PER_SM`: 1, 2), the merge one split a round, and both as they were before session
   42 (keys ahead at every batch, one a round); batches 1, 4, 16 and 64.
@@ -20,15 +23,18 @@ expert union throughout.
   (`paged_attention.MAX_SPLITS`: 1 to 16; a split is whole tiles, so short contexts use fewer).
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
   (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
-  them the down GEMM without its loads ahead and the experts' K tile at 256.
+  them the down GEMM without its loads ahead (result files before session 48 also time the experts'
+  K tile at 256, now committed).
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
-  (`folded_router.pick_config`, FOLD_STAGES), the q/k/v launch's splits, warps and stages.
+  (`folded_router.pick_config`, FOLD_STAGES, both K tiles), the q/k/v launch's splits, warps and
+  stages.
 - out_proj (batch 1, the same contexts): the folded output projection's rows a program
   (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4, 8) with half or all of their weights loaded ahead (the
   `columns` and `tiles` sets timed 2 and 8 rows before session 44: their result files name them).
 - top_k (batch 1, the same contexts): the fold's gate/up K tile (`folded_router.FOLD_GATE_UP_BLOCK_K`,
-  which keeps its programs at two a multiprocessor), beside the down GEMM's K tile and 32 columns (the
-  result files of session 45 also time the top-K it replaced, ranks in one [E, E] pass, then a knob).
+  which keeps its programs at two a multiprocessor), beside the down GEMM's K tile (`FOLD_DOWN_BLOCK_K`)
+  and 32 columns (the result files of session 45 also time the top-K it replaced, ranks in one [E, E]
+  pass, then a knob).
 - down (batch 1, the same contexts): the fold's down GEMM alone at other tiles (its K tile, stages and
   columns, which set how many of its programs fit beside the gate/up's before that launch ends).
 - ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
@@ -56,11 +62,12 @@ BATCH_1 = ((1, 256), (1, 4096))
 def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
     """The fold's expert GEMMs, gate/up and down, at this tile shape (block_m 16: one token's slots)."""
     return [(folded_router, "pick_config", lambda *args: MoeConfig(16, block_n, block_k, warps, stages)),
-            (folded_router, "FOLD_STAGES", stages), (folded_router, "FOLD_GATE_UP_BLOCK_K", block_k)]
+            (folded_router, "FOLD_STAGES", stages), (folded_router, "FOLD_GATE_UP_BLOCK_K", block_k),
+            (folded_router, "FOLD_DOWN_BLOCK_K", block_k)]
 
 
 def _down(**tile) -> list:
-    """The fold's down GEMM at its tuned config with `tile`'s fields changed; its gate/up as committed."""
+    """The fold's down GEMM at its committed config with `tile`'s fields changed; its gate/up as committed."""
     def down_per_slot(hidden, down, weights, tile_slots, tile_expert, cfg, slot_tiles, ready=None):
         return fused_moe.down_per_slot(hidden, down, weights, tile_slots, tile_expert,
                                        dataclasses.replace(cfg, **tile), slot_tiles, ready)
@@ -88,6 +95,11 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("merge 16 splits a round", [(paged_attention, "MERGE_AT_ONCE", 16)]),
             ("committed again", []),
         ]),
+        "merge": (((1, 300), (1, 700), (1, 4096)), [
+            ("committed (merge 4 splits a round)", []),
+            *[(f"merge {n} splits a round", [(paged_attention, "MERGE_AT_ONCE", n)]) for n in (8, 16)],
+            ("committed again", []),
+        ]),
         "keys_ahead": (((1, 256), (1, 4096), (4, 256), (4, 2048), (16, 256), (16, 2048), (64, 256), (64, 1024)), [
             ("committed", []),
             ("keys ahead up to 1 program a multiprocessor", [(paged_attention, "KEYS_AHEAD_PER_SM", 1)]),
@@ -106,7 +118,6 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("gate/up 32 columns a program (192 programs, before)", [(folded_router, "FOLD_COLUMNS", 0)]),
             ("gate/up 48 columns a program (128 programs)", [(folded_router, "FOLD_COLUMNS", 48)]),
             ("down GEMM without loads ahead", [(fused_moe, "ahead_width", _ahead(0))]),
-            ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("committed again", []),
         ]),
         "tiles": (BATCH_1, [
@@ -116,7 +127,6 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("experts 16x32x128, 8 warps, 3 stages", _experts(32, 128, 8, 3)),
             ("experts 16x64x128, 4 warps, 3 stages", _experts(64, 128, 4, 3)),
             ("experts 16x16x128, 4 warps, 3 stages (the down GEMM 1,024 programs)", _experts(16, 128, 4, 3)),
-            ("experts 16x32x256, 4 warps, 3 stages", _experts(32, 256, 4, 3)),
             ("q/k/v 4 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 4)]),
             ("q/k/v 16 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 16)]),
             ("q/k/v 2 warps", [(qkv_norm_rope, "QKV_WARPS", 2)]),
@@ -138,13 +148,13 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
         "top_k": (BATCH_1, [
             ("committed (gate/up K tile 256)", []),
             ("gate/up K tile 128 (the config's)", [(folded_router, "FOLD_GATE_UP_BLOCK_K", 0)]),
-            ("gate/up and down K tile 256", _experts(32, 256, 4, 3)),
+            ("down K tile 128 (before session 48)", [(folded_router, "FOLD_DOWN_BLOCK_K", 0)]),
             ("gate/up K tile 256, 32 columns", [(folded_router, "FOLD_COLUMNS", 32)]),
             ("committed again", []),
         ]),
         "down": (BATCH_1, [
-            ("committed (down 16x32x128, 3 stages: 24 kB, 512 programs)", []),
-            ("down K tile 256", _down(block_k=256)),
+            ("committed (down 16x32x256, 3 stages: 48 kB, 512 programs)", []),
+            ("down K tile 128 (before session 48)", _down(block_k=128)),
             ("down K tile 64", _down(block_k=64)),
             ("down 2 stages", _down(num_stages=2)),
             ("down 4 stages", _down(num_stages=4)),
