@@ -22,8 +22,10 @@ Every time is read against the device-copy bandwidth measured in the same run. P
 - importance / paged: kernels/benchmarks/bench_importance.py and bench_paged_attention.py.
 The row format, `row` and `print_row`, is shared with those modules.
 - decode: the engine's decode step (CUDA graphs) over a 48-layer random model, batch 1/4/16/64,
-  policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2: wall time of
-  engine.step() (TPOT) and the graph replay alone, with the union each policy produced. One more
+  policies topk, sere K'=2 (rho 0, protection on, random similarity) and oea k0=2, every policy on
+  the same prompts: wall time of engine.step() (TPOT) one step at a time and pipelined (async
+  scheduling, the engine's default; over the same tokens again), and the graph replay alone, with
+  the union each policy produced in each window (union, union_pipelined). One more
   topk row is the same-run reference for programmatic dependent launch
   (`kernels/dependent_launch.py`): "topk, no PDL", every kernel launched after the one before has
   finished.
@@ -213,23 +215,38 @@ def pipelined_step_us(engine: LLMEngine, steps: int) -> float:
     return us
 
 
+def _decoding(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list:
+    """Sequences of these prompts, prefilled and three steps into their decode."""
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for p in prompts]
+    while any(len(s.output_ids) == 0 for s in seqs):  # prefill
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return seqs
+
+
+def _drop(engine: LLMEngine, seqs: list) -> None:
+    for s in seqs:
+        engine.abort(s)
+    while engine.has_work:  # the step still in flight is read back (its tokens dropped)
+        engine.step()
+
+
 def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: int = 24) -> list[dict]:
     dev = torch.device("cuda")
     # (row name, policy, PDL): the policies as the engine runs them, then the reference for PDL.
     variants = (("topk", RoutingPolicy(), True), ("sere K'=2 rho=0", random_sere(dev), True),
                 ("oea k0=2", OeaPolicy(2), True), ("topk, no PDL", RoutingPolicy(), False))
-    g = torch.Generator().manual_seed(0)
     rows = []
     for name, policy, pdl in variants:
         with dependent_launch.enabled_as(pdl):  # the decode steps timed are these graphs' replays
             engine.set_routing_policy(policy)  # re-captures the graphs
         for B in DECODE_BATCHES:
-            seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
-                                       SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for _ in range(B)]
-            while any(len(s.output_ids) == 0 for s in seqs):  # prefill
-                engine.step()
-            for _ in range(3):
-                engine.step()
+            # The same prompts under every policy, and for both windows below: with dummy weights the
+            # routing drifts along a sequence, so steps compared must cover the same tokens.
+            g = torch.Generator().manual_seed(B)
+            prompts = [torch.randint(0, 150000, (prompt,), generator=g).tolist() for _ in range(B)]
+            seqs = _decoding(engine, prompts, steps)
             before = engine.routing_stats.snapshot()
             times = []
             for _ in range(steps):
@@ -237,26 +254,24 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
                 t0 = time.perf_counter()
                 engine.step()  # samples on the host: the step ends when its tokens are known
                 times.append((time.perf_counter() - t0) * 1e6)
-            after = engine.routing_stats.snapshot()
-            union = union_between(before, after)
-            async_us = pipelined_step_us(engine, steps)
-            # The pipelined steps come later in the sequences, whose routing drifts (dummy weights): their own union.
-            union_pipelined = union_between(after, engine.routing_stats.snapshot())
+            union = union_between(before, engine.routing_stats.snapshot())
             graphs = engine.runner.graphs
             replay_us = cuda_time_us(graphs.graphs[graphs.bucket(B)].replay, warmup=2, reps=10)
-            context = prompt + 3 + steps  # at the end of the timed plain steps; the async ones ran after them
+            _drop(engine, seqs)
+            seqs = _decoding(engine, prompts, steps)  # the pipelined steps over the same tokens again
+            before = engine.routing_stats.snapshot()
+            async_us = pipelined_step_us(engine, steps)
+            union_pipelined = union_between(before, engine.routing_stats.snapshot())
+            _drop(engine, seqs)
+            context = prompt + 3 + steps  # at the end of the timed plain steps (the pipelined ones: one more)
             for impl, us, ctx in (("engine_step", statistics.median(times), context),
-                                  ("engine_step_async", async_us, context + 1 + steps),
+                                  ("engine_step_async", async_us, context + 1),
                                   ("graph_replay", replay_us, context)):
                 nbytes = decoder_bytes(CFG, union, B, ctx)
                 rows.append(row("decode_step", impl, B, us, nbytes, name, union, context=ctx,
                                 weight_read_us=round(nbytes / gbps_copy / 1e3, 1),
                                 union_pipelined=round(union_pipelined, 2)))
                 print_row(rows[-1])
-            for s in seqs:
-                engine.abort(s)
-            while engine.has_work:  # the step still in flight is read back (its tokens dropped)
-                engine.step()
     engine.set_routing_policy(RoutingPolicy())
     return rows
 

@@ -21,6 +21,8 @@ expert union throughout.
   42 (keys ahead at every batch, one a round); batches 1, 4, 16 and 64.
 - splits (batches 1, 4 and 16): at most how many splits the attention cuts a context into
   (`paged_attention.MAX_SPLITS`: 1 to 16; a split is whole tiles, so short contexts use fewer).
+- qkv_tokens (batches 4 and 16): the one-launch q/k/v with its q/k norm, rotary and cache write
+  (`qkv_norm_rope.QKV_MAX_T`) up to 16 tokens, against cuBLAS's GEMM and `qk_norm_rope_cache`.
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
   (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
   them the down GEMM without its loads ahead (result files before session 48 also time the experts'
@@ -111,6 +113,11 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
         "splits": (((1, 256), (1, 4096), (4, 256), (16, 256)), [
             ("committed", []),
             *[(f"attention at most {n} splits", [(paged_attention, "MAX_SPLITS", n)]) for n in (1, 2, 4, 8)],
+            ("committed again", []),
+        ]),
+        "qkv_tokens": (((4, 256), (16, 256), (16, 2048)), [
+            ("committed (the one-launch q/k/v for 1 token, cuBLAS above)", []),
+            ("the one-launch q/k/v up to 16 tokens", [(qkv_norm_rope, "QKV_MAX_T", 16)]),
             ("committed again", []),
         ]),
         "columns": (BATCH_1, [
