@@ -226,6 +226,7 @@ def _decoding(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list:
 
 
 def _drop(engine: LLMEngine, seqs: list) -> None:
+    """The sequences aborted and the engine idle again."""
     for s in seqs:
         engine.abort(s)
     while engine.has_work:  # the step still in flight is read back (its tokens dropped)
