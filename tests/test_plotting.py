@@ -28,6 +28,20 @@ def test_write_plot_says_wrote_only_when_the_plotter_drew(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out and (tmp_path / "one.png").exists()
 
 
+def test_each_knob_variant_is_read_against_its_own_sets_first_row_of_the_case():
+    def knob(policy, context, us):
+        return {"bench": "step_knob", "impl": "graph_replay", "batch": 1, "context": context, "time_us": us,
+                "policy": policy}
+    rows = [knob("a: committed", 256, 1000.0), knob("a: x", 256, 1100.0), knob("b: committed", 256, 2000.0),
+            knob("b: y", 256, 1900.0), knob("b: y", 4096, 3000.0),
+            {**knob("a: x", 256, 5.0), "impl": "engine_step"}]  # not a replay: not drawn
+    cases, variants, change = plots.variant_changes(rows)
+    assert cases == [(1, 256), (1, 4096)] and variants == ["a: committed", "a: x", "b: committed", "b: y"]
+    assert change[("a: x", (1, 256))] == pytest.approx(10.0) and change[("b: y", (1, 256))] == pytest.approx(-5.0)
+    assert change[("b: y", (1, 4096))] == 0.0  # the first of set b at that case
+    assert change[("a: committed", (1, 256))] == 0.0 and ("a: x", (1, 4096)) not in change
+
+
 def test_kernel_plots_draw_nothing_without_rows(tmp_path):
     assert plots.plot({"rows": []}, tmp_path / "none.png") is False
     assert not (tmp_path / "none.png").exists()

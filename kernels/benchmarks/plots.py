@@ -3,7 +3,7 @@
 - moe_layer rows: achieved GB/s of the MoE layer against the copy bandwidth of the same run;
 - decode_step rows: TPOT per batch and policy;
 - step_variant / step_knob rows (bench_one_token, bench_step_knobs): each variant's graph replay
-  against the committed choices timed first in the same engine, in percent, one bar per case.
+  against its set's committed choices timed first in the same engine, in percent, one bar per case.
 A run with none of them writes no PNG.
 """
 from __future__ import annotations
@@ -37,26 +37,34 @@ def _decode_panel(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=8)
 
 
-def _variants_panel(ax, rows: list[dict]) -> None:
-    """Graph replay of each variant against the first row of its case (the committed choices)."""
+def variant_changes(rows: list[dict]) -> tuple[list, list, dict]:
+    """(cases, variants, {(variant, case): percent}): each variant's graph replay against the first
+    row of its own set and case, a set's committed choices (a step_knob's set is the policy's text
+    before ": "; step_variant rows are one set)."""
     rows = [r for r in rows if r["impl"] == "graph_replay"]
     cases = list(dict.fromkeys((r["batch"], r.get("context")) for r in rows))
     variants = list(dict.fromkeys(r["policy"] for r in rows))
-    first = {}
+    first, change = {}, {}
     for r in rows:
-        first.setdefault((r["batch"], r.get("context")), r["time_us"])
+        case = (r["batch"], r.get("context"))
+        reference = first.setdefault((r["policy"].partition(": ")[0] if ": " in r["policy"] else "", case),
+                                     r["time_us"])
+        change[(r["policy"], case)] = 100 * (r["time_us"] / reference - 1)
+    return cases, variants, change
+
+
+def _variants_panel(ax, rows: list[dict]) -> None:
+    cases, variants, change = variant_changes(rows)
     width = 0.8 / len(cases)
     for j, case in enumerate(cases):
-        change = {r["policy"]: 100 * (r["time_us"] / first[case] - 1) for r in rows
-                  if (r["batch"], r.get("context")) == case}
-        ax.barh([i + j * width for i in range(len(variants))], [change.get(v, 0.0) for v in variants], height=width,
-                label=f"batch {case[0]}" + (f", {case[1]}-token prompt" if case[1] else ""))
+        ax.barh([i + j * width for i in range(len(variants))], [change.get((v, case), 0.0) for v in variants],
+                height=width, label=f"batch {case[0]}" + (f", {case[1]}-token prompt" if case[1] else ""))
     ax.set_yticks([i + 0.4 - width / 2 for i in range(len(variants))], variants, fontsize=7)
-    ax.invert_yaxis()
+    ax.set_ylim(len(variants), -0.5)
     ax.axvline(0, color="k", lw=0.8)
-    ax.set(xlabel="graph replay against the committed choices timed first (%)",
+    ax.set(xlabel="graph replay against its set's committed choices, timed first (%)",
            title="the decode step under each variant (lower is faster)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def plot(result: dict, out: Path) -> bool:
@@ -76,7 +84,10 @@ def plot(result: dict, out: Path) -> bool:
     if plt is None:
         return False
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
+    # A knob run holds up to ~50 variants, a bar row each: the figure grows with them so their labels stay legible.
+    rows_drawn = max((len(variant_changes(chosen)[1]) for draw, chosen in panels if draw is _variants_panel), default=0)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels) + (4 if rows_drawn else 0),
+                                                      max(5.5, 0.22 * rows_drawn)), squeeze=False)
     for ax, (draw, chosen) in zip(axes[0], panels):
         draw(ax, chosen)
     fig.tight_layout()
