@@ -91,6 +91,6 @@ def plot(result: dict, out: Path) -> bool:
     for ax, (draw, chosen) in zip(axes[0], panels):
         draw(ax, chosen)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # long variant names: nothing cut at the edge
     plt.close(fig)
     return True
