@@ -215,9 +215,10 @@ def pipelined_step_us(engine: LLMEngine, steps: int) -> float:
     return us
 
 
-def _decoding(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list:
-    """Sequences of these prompts, prefilled and three steps into their decode."""
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)) for p in prompts]
+def decoding(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
+    """Sequences of these prompts, prefilled and three steps into their decode: the graph of their
+    batch's bucket now holds a real decode batch (the step benchmarks and profiles time it)."""
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
     while any(len(s.output_ids) == 0 for s in seqs):  # prefill
         engine.step()
     for _ in range(3):
@@ -225,7 +226,7 @@ def _decoding(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list:
     return seqs
 
 
-def _drop(engine: LLMEngine, seqs: list) -> None:
+def drop(engine: LLMEngine, seqs: list) -> None:
     """The sequences aborted and the engine idle again."""
     for s in seqs:
         engine.abort(s)
@@ -247,7 +248,7 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
             # routing drifts along a sequence, so steps compared must cover the same tokens.
             g = torch.Generator().manual_seed(B)
             prompts = [torch.randint(0, 150000, (prompt,), generator=g).tolist() for _ in range(B)]
-            seqs = _decoding(engine, prompts, steps)
+            seqs = decoding(engine, prompts, 2 * steps + 8)
             before = engine.routing_stats.snapshot()
             times = []
             for _ in range(steps):
@@ -258,12 +259,12 @@ def bench_decode(engine: LLMEngine, gbps_copy: float, prompt: int = 256, steps: 
             union = union_between(before, engine.routing_stats.snapshot())
             graphs = engine.runner.graphs
             replay_us = cuda_time_us(graphs.graphs[graphs.bucket(B)].replay, warmup=2, reps=10)
-            _drop(engine, seqs)
-            seqs = _decoding(engine, prompts, steps)  # the pipelined steps over the same tokens again
+            drop(engine, seqs)
+            seqs = decoding(engine, prompts, 2 * steps + 8)  # the pipelined steps over the same tokens again
             before = engine.routing_stats.snapshot()
             async_us = pipelined_step_us(engine, steps)
             union_pipelined = union_between(before, engine.routing_stats.snapshot())
-            _drop(engine, seqs)
+            drop(engine, seqs)
             context = prompt + 3 + steps  # at the end of the timed plain steps (the pipelined ones: one more)
             for impl, us, ctx in (("engine_step", statistics.median(times), context),
                                   ("engine_step_async", async_us, context + 1),

@@ -37,15 +37,14 @@ import torch.nn.functional as F
 
 from zipmoe.engine import model
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy
-from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import dependent_launch, folded_router, fused_moe, paged_attention, qkv_norm_rope
 from zipmoe.kernels.gemv import gemv
 from zipmoe.kernels.layer_ops import add_rms_norm
 from zipmoe.kernels.qkv_norm_rope import fused_add_norm_qkv, fused_qkv_norm_rope_cache
 from zipmoe.kernels.router import fused_add_norm_router, fused_router
 
-from .bench_kernels import (CFG, _activation, layer_weights, per_layer_rows, pipelined_step_us, print_row,
-                            random_sere, row)
+from .bench_kernels import (CFG, _activation, decoding, drop, layer_weights, per_layer_rows, pipelined_step_us,
+                            print_row, random_sere, row)
 from .timing import cuda_time_us
 
 
@@ -132,17 +131,10 @@ def bench_step_variants(engine, steps: int = 40) -> list[dict]:
     rows = []
     for name, patches, pdl, policy in _variants():
         capture_with(engine, patches, pdl, policy)
-        seq = engine.add_request(torch.randint(0, 150000, (256,), generator=g).tolist(),
-                                 SamplingParams(max_tokens=2 * steps, ignore_eos=True))
-        while not seq.output_ids:
-            engine.step()
-        for _ in range(3):
-            engine.step()
+        seqs = decoding(engine, [torch.randint(0, 150000, (256,), generator=g).tolist()], 2 * steps)
         replay = cuda_time_us(engine.runner.graphs.graphs[1].replay, warmup=3, reps=30)
         pipelined = pipelined_step_us(engine, steps)
-        engine.abort(seq)
-        while engine.has_work:
-            engine.step()
+        drop(engine, seqs)
         for impl_name, us in (("graph_replay", replay), ("engine_step_async", pipelined)):
             rows.append(row("step_variant", impl_name, 1, us, 0, name))
             print_row(rows[-1])

@@ -50,11 +50,10 @@ import dataclasses
 import torch
 
 from zipmoe.engine.routing import RoutingPolicy
-from zipmoe.engine.sequence import SamplingParams
 from zipmoe.kernels import dependent_launch, folded_router, fused_moe, paged_attention, qkv_norm_rope
 from zipmoe.kernels.fused_moe import MoeConfig
 
-from .bench_kernels import print_row, row
+from .bench_kernels import decoding, drop, print_row, row
 from .bench_one_token import capture_with, keys_a_tile
 from .timing import cuda_time_us
 
@@ -189,19 +188,12 @@ def bench_step_knobs(engine, sets: list[str]) -> list[dict]:
             capture_with(engine, patches, True, RoutingPolicy())
             for batch, prompt in cases:
                 g = torch.Generator().manual_seed(batch * 100_000 + prompt)  # the same prompts for every variant
-                seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
-                                           SamplingParams(max_tokens=40, ignore_eos=True)) for _ in range(batch)]
-                while any(not s.output_ids for s in seqs):
-                    engine.step()
-                for _ in range(3):
-                    engine.step()
+                seqs = decoding(engine, [torch.randint(0, 150000, (prompt,), generator=g).tolist()
+                                         for _ in range(batch)], max_tokens=40)
                 graphs = engine.runner.graphs
                 us = cuda_time_us(graphs.graphs[graphs.bucket(batch)].replay, warmup=3, reps=20)
                 rows.append(row("step_knob", "graph_replay", batch, us, 0, f"{name}: {variant}", context=prompt))
                 print_row(rows[-1])
-                for s in seqs:
-                    engine.abort(s)
-                while engine.has_work:
-                    engine.step()
+                drop(engine, seqs)
     engine.set_routing_policy(RoutingPolicy())
     return rows

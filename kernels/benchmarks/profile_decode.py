@@ -41,7 +41,7 @@ from zipmoe.kernels import dependent_launch
 
 from zipmoe.engine.routing import RoutingPolicy
 
-from .bench_kernels import CFG, build_engine, random_sere
+from .bench_kernels import CFG, build_engine, decoding, drop, random_sere
 from .timing import copy_gbps, cuda_time_us, require_cuda, wall_ms
 
 REPLAYS = 10
@@ -73,12 +73,7 @@ def critical_path(events, replays: int) -> dict:
 
 def profile_step(engine, batch: int, prompt: int = 256) -> dict:
     g = torch.Generator().manual_seed(batch)
-    seqs = [engine.add_request(torch.randint(0, 150000, (prompt,), generator=g).tolist(),
-                               SamplingParams(max_tokens=64, ignore_eos=True)) for _ in range(batch)]
-    while any(len(s.output_ids) == 0 for s in seqs):  # prefill
-        engine.step()
-    for _ in range(3):
-        engine.step()  # the graph's inputs now hold a real decode batch of this size
+    seqs = decoding(engine, [torch.randint(0, 150000, (prompt,), generator=g).tolist() for _ in range(batch)], 64)
     bucket = engine.runner.graphs.bucket(batch)
     graph = engine.runner.graphs.graphs[bucket]
     replay_us = cuda_time_us(graph.replay, warmup=2, reps=10)
@@ -87,8 +82,7 @@ def profile_step(engine, batch: int, prompt: int = 256) -> dict:
         for _ in range(REPLAYS):
             graph.replay()
         torch.cuda.synchronize()
-    for s in seqs:
-        engine.abort(s)
+    drop(engine, seqs)
     launched = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     paths = critical_path(launched, REPLAYS)
@@ -145,10 +139,7 @@ def profile_mixed(engine, batch: int, prompt: int = 512, prompts: int = 1, conte
         engine.step()
         torch.cuda.synchronize()
     runner.prefill_graphs, runner.prompt_row_context = graphs, prompt_rows
-    for s in seqs:
-        engine.abort(s)
-    while engine.has_work:
-        engine.step()
+    drop(engine, seqs)
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     return {"batch": batch, "prompt": prompt, "prompts": prompts, "mixed_step_ms": round(mixed, 2),
             "rode_decode_graph": rode,

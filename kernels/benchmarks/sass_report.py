@@ -162,7 +162,7 @@ def report(patches: list[str], device_name: str) -> list[dict]:
             for name, fn, programs, args, kwargs in launches]
     for r in rows:
         r["per_multiprocessor"] = programs_a_multiprocessor(r["registers"], r["num_warps"], r["shared_bytes"])
-        r["rounds"] = -(-r["programs"] // (r["per_multiprocessor"] * MULTIPROCESSORS))
+        r["rounds"] = math.ceil(r["programs"] / (r["per_multiprocessor"] * MULTIPROCESSORS))
     return rows
 
 
