@@ -215,13 +215,13 @@ def pipelined_step_us(engine: LLMEngine, steps: int) -> float:
     return us
 
 
-def decoding(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
-    """Sequences of these prompts, prefilled and three steps into their decode: the graph of their
-    batch's bucket now holds a real decode batch (the step benchmarks and profiles time it)."""
+def decoding(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, steps: int = 3) -> list:
+    """Sequences of these prompts, prefilled and `steps` steps into their decode: after three the
+    graph of their batch's bucket holds a real decode batch (the step benchmarks and profiles time it)."""
     seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
     while any(len(s.output_ids) == 0 for s in seqs):  # prefill
         engine.step()
-    for _ in range(3):
+    for _ in range(steps):
         engine.step()
     return seqs
 

@@ -110,9 +110,7 @@ def profile_mixed(engine, batch: int, prompt: int = 512, prompts: int = 1, conte
     and eagerly; one more eager such step profiled for its kernels; and the plain decode step's wall ms."""
     g = torch.Generator().manual_seed(batch)
     tokens = lambda n: torch.randint(0, 150000, (n,), generator=g).tolist()
-    seqs = [engine.add_request(tokens(context), SamplingParams(max_tokens=256, ignore_eos=True)) for _ in range(batch)]
-    while any(len(s.output_ids) == 0 for s in seqs):
-        engine.step()
+    seqs = decoding(engine, [tokens(context) for _ in range(batch)], 256, steps=0)
     new_prompts = [tokens(prompt) for _ in range(prompts)]
 
     def admit():
