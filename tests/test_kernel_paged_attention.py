@@ -52,7 +52,7 @@ LENS = [1, 0, 7, BLOCK, 3 * BLOCK + 5, 18 * BLOCK + 2]
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,group,tile", [
-    (16, 2, 1, 0),  # the tuned tile (128 keys): 3 splits of the table's 320 keys, all 3 used by the longest
+    (16, 2, 1, 0),  # the tuned tile (64 keys): 5 splits of the table's 320 keys, all 5 used by the longest
     (16, 2, 2, 32),  # 10 splits of one tile each for the longest context, 2 for the 53-key one
     (16, 1, 8, 16),  # 16 splits (MAX_SPLITS): the longest context in 10 chunks of 2 tiles
     (128, 1, 8, 64),
