@@ -174,31 +174,67 @@ def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, PACKED: tl.constexpr):
-    """(the router's top-K ids [K_PAD] in rank order, which expert each slot holds [K_PAD, E_PAD]) of
-    the logits [E_PAD] (-inf past E). An expert ranks ahead of another with a larger logit, or an
-    equal one and a lower id (the order of `layer_ops.store_softmax_topk`). Each expert gets one
-    integer key in that order, its logit's bits made to order as signed integers above its id
-    reversed, and K rounds take the largest key left: one element a thread, K reductions. Ranking
-    every expert against every other, an [E, E] comparison, took 1,700 instructions a thread ahead
-    of the first weight load in every gate/up program against 270 (sm_90). The id takes the key's 16
-    low bits (at most 65,536 experts; the fold takes 128). PACKED (logits that are bfloat16 values):
-    the logit's 16 high bits above it, an int32 key; otherwise all 32, an int64 one. A NaN logit ranks
-    ahead of every number (as torch.topk has it) and -0.0 as +0.0, so the ids are always distinct
-    experts."""
-    k = tl.arange(0, K_PAD)
+def _scaled_logits(logits_ptr, inv, e, E, dtype):
+    """The router's logits at experts e (any shape; -inf past E): the folded sums times h's 1 / RMS,
+    rounded to the model's dtype as F.linear rounds them."""
+    raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
+    return tl.where(e < E, (raw * inv).to(dtype).to(tl.float32), float("-inf"))
+
+
+@triton.jit
+def _rank_keys(logit, e, PACKED: tl.constexpr):
+    """(one integer key an expert, in rank order: distinct, larger ranks ahead; a key below them all).
+    An expert ranks ahead of another with a larger logit, or an equal one and a lower id (the order
+    of `layer_ops.store_softmax_topk`): the logit's bits made to order as signed integers above its
+    id reversed in the key's 16 low bits (at most 65,536 experts; the fold takes 128). PACKED (logits
+    that are bfloat16 values): the logit's 16 high bits above it, an int32 key; otherwise all 32, an
+    int64 one. A NaN logit ranks ahead of every number (as torch.topk has it) and -0.0 as +0.0, so
+    the ids taken are always distinct experts. K rounds that each take the largest key left rank the
+    top-K: ranking every expert against every other, an [E, E] comparison, took 1,700 instructions a
+    thread ahead of the first weight load in every gate/up program against 270 (sm_90)."""
     bits = tl.where(logit == logit, tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True)), 0x7FC00000)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a negative float's magnitude bits flipped
     if PACKED:
         key, lowest = (ordered & -65536) | (65535 - e), -2147483648
     else:
         key, lowest = (ordered.to(tl.int64) << 32) | (65535 - e), -9223372036854775808
+    return key, lowest
+
+
+@triton.jit
+def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, PACKED: tl.constexpr):
+    """(the router's top-K ids [K_PAD] in rank order, which expert each slot holds [K_PAD, E_PAD]) of
+    the logits [E_PAD] (-inf past E), one element a thread: K block-wide maxima of `_rank_keys`. For
+    the routing program and SERE, which need every slot; a GEMM program takes `_ranked_expert`."""
+    k = tl.arange(0, K_PAD)
+    key, lowest = _rank_keys(logit, e, PACKED)
     ids = tl.zeros([K_PAD], dtype=tl.int64)
     for r in tl.static_range(K):
         best = tl.max(key, axis=0)
         ids = tl.where(k == r, (65535 - (best & 65535)).to(tl.int64), ids)
         key = tl.where(key == best, lowest, key)  # taken: below every key
     return ids, (e[None, :] == ids[:, None]) & (k[:, None] < K)
+
+
+@triton.jit
+def _ranked_expert(logits_ptr, inv, slot, E, dtype, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
+                   WARPS: tl.constexpr):
+    """The expert ranked `slot` (< K) by `_rank_keys`, as `_top_k_ids` ranks them, with no barrier
+    between its K rounds: every warp holds all E_PAD logits (an [E_PAD / 32, WARPS, 32] tile, whose
+    middle axis Triton lays over the warps), so each round's maximum is one warp-wide reduction; one
+    block-wide maximum at the end gives the scalar. Block-wide, each of the K rounds took a shared-memory round
+    trip and its barriers: 26 barriers ahead of the first weight load in every gate/up program, 5
+    this way (sm_90, `sass_report`)."""
+    LANES: tl.constexpr = 32 if E_PAD >= 32 else E_PAD
+    e = ((tl.arange(0, E_PAD // LANES) * LANES)[:, None, None] + tl.zeros([1, WARPS, 1], dtype=tl.int32)
+         + tl.arange(0, LANES)[None, None, :])
+    key, lowest = _rank_keys(_scaled_logits(logits_ptr, inv, e, E, dtype), e, PACKED)
+    found = tl.full([WARPS], lowest, dtype=key.dtype)
+    for r in tl.static_range(K):
+        best = tl.max(tl.max(key, axis=2), axis=0)  # [WARPS], each warp's own
+        found = tl.where(slot == r, best, found)
+        key = tl.where(key == best[None, :, None], lowest, key)
+    return (65535 - (tl.max(found, axis=0) & 65535)).to(tl.int64)
 
 
 @triton.jit
@@ -244,11 +280,11 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, COLUMNS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                           PACKED: tl.constexpr, PDL: tl.constexpr):
+                           PACKED: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
-    # scaled by it and rounded to the model's dtype (as F.linear rounds them), their top-K in rank
-    # order (`_top_k_ids`: K rounds of a max over one integer key an expert, as this is on the path
-    # to the first weight load) and the expert ranked `slot`. The GEMM's input is y = g * h as
+    # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
+    # `slot` (`_ranked_expert`: K rounds of a max within each warp, as this is on the path to the
+    # first weight load; under SERE every slot's, `_top_k_ids`, for the moves). The GEMM's input is y = g * h as
     # stored, its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's
     # (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a layer on the H100: its
     # operand no longer streamed straight from memory). Program 0 computes no slot: it stores the
@@ -271,15 +307,14 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         return
     row = tl.arange(0, H_PAD)
     inv = inverse_rms(tl.load(h_ptr + row, mask=row < H, other=0.0), H, eps)
-    e = tl.arange(0, E_PAD)
-    raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
-    logit = tl.where(e < E, (raw * inv).to(h_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-    router_ids, chosen = _top_k_ids(logit, e, K, K_PAD, PACKED)
-    ids = router_ids
-    if SERE:
-        ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
-                          HAS_OPT_OUT)
     if slot == K:
+        e = tl.arange(0, E_PAD)
+        logit = _scaled_logits(logits_ptr, inv, e, E, h_ptr.dtype.element_ty)
+        router_ids, chosen = _top_k_ids(logit, e, K, K_PAD, PACKED)
+        ids = router_ids
+        if SERE:
+            ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
+                              HAS_OPT_OUT)
         if kept == K:
             _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
                            K, K_PAD, ROUTER_NORMALIZE)
@@ -291,7 +326,15 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
-        expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
+        if SERE:  # every slot's id, for the moves
+            e = tl.arange(0, E_PAD)
+            router_ids, chosen = _top_k_ids(_scaled_logits(logits_ptr, inv, e, E, h_ptr.dtype.element_ty), e, K,
+                                            K_PAD, PACKED)
+            ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
+                              HAS_OPT_OUT)
+            expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
+        else:
+            expert = _ranked_expert(logits_ptr, inv, slot, E, h_ptr.dtype.element_ty, K, E_PAD, PACKED, WARPS)
         m = tl.arange(0, BLOCK_M)
         cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
         col_ok = ((tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I))[None, :]
@@ -351,7 +394,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
-        PACKED=h.dtype == torch.bfloat16, **launch_options_moe(up_cfg, h))
+        PACKED=h.dtype == torch.bfloat16, WARPS=up_cfg.num_warps, **launch_options_moe(up_cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
     down_cfg = dataclasses.replace(cfg, block_k=FOLD_DOWN_BLOCK_K or cfg.block_k)
     per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), down_cfg, slot_tiles=True, ready=ready)

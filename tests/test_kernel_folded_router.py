@@ -219,6 +219,13 @@ def _top_k_ids_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, K_PAD: tl.constexp
     tl.store(ids_ptr + tl.arange(0, K_PAD), ids, mask=tl.arange(0, K_PAD) < K)
 
 
+@triton.jit
+def _ranked_expert_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
+                          DTYPE: tl.constexpr, WARPS: tl.constexpr):
+    slot = tl.program_id(0)
+    tl.store(ids_ptr + slot, folded_router._ranked_expert(logit_ptr, 1.0, slot, E, DTYPE, K, E_PAD, PACKED, WARPS))
+
+
 def _ranked(logits: list[float]) -> list[int]:
     """The experts in rank order: a NaN first, then the larger logit, then the lower id."""
     return sorted(range(len(logits)), key=lambda i: (logits[i] == logits[i], -logits[i] if logits[i] == logits[i]
@@ -228,7 +235,8 @@ def _ranked(logits: list[float]) -> list[int]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("packed", [False, True])
 def test_top_k_ids_rank_larger_logits_then_lower_ids(device, packed):
-    """The gate/up programs' top-K (K rounds of a max over one integer key an expert) against a sort,
+    """The routing program's top-K (K rounds of a max over one integer key an expert) and each gate/up
+    program's expert (`_ranked_expert`, the same rounds within each warp) against a sort,
     on logits with many ties that are bfloat16 values (what PACKED keys assume, exactly): negative
     and positive, -0.0 beside +0.0, -inf, a NaN (ahead of all, as torch.topk has it), experts not a
     power of two. The ids are always distinct experts."""
@@ -246,3 +254,8 @@ def test_top_k_ids_rank_larger_logits_then_lower_ids(device, packed):
         ids = torch.empty(K, dtype=torch.int64, device=device)
         _top_k_ids_kernel[(1,)](logits, ids, E, K=K, K_PAD=8, E_PAD=128, PACKED=packed)
         assert ids.tolist() == _ranked(logits.tolist())[:K], case
+        for warps in (4, 8):  # each slot's expert as the GEMM programs rank it, warp by warp
+            ids.fill_(-1)
+            _ranked_expert_kernel[(K,)](logits, ids, E, K=K, E_PAD=128, PACKED=packed,
+                                        DTYPE=tl.bfloat16 if packed else tl.float32, WARPS=warps, num_warps=warps)
+            assert ids.tolist() == _ranked(logits.tolist())[:K], (case, warps)
