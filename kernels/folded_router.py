@@ -81,6 +81,10 @@ OUT_PROJ_ROWS = 4
 # room, and the batch-1 step was 2.5-2.8 % slower than with the one-pass ranking it replaced; at 256
 # it is 2.2-2.4 % faster (H100, session 45, bench_step_knobs' "top_k" set).
 FOLD_GATE_UP_BLOCK_K = 256
+# Each gate/up program ranks its slot's expert within each warp (`_ranked_expert`: 5 barriers before
+# its first weight load at sm_90, `sass_report`), not block-wide as the routing program does
+# (`_top_k_ids`: a shared-memory round trip each of the K rounds, 26 barriers).
+RANK_IN_WARPS = True
 # The K tile of the fold's down GEMM (0: the MoE layer's tuned config, 128 at batch 1). At 256 the
 # batch-1 step was 0.6-1.7 % faster on an H200 in three knob sets at 256- and 4,096-token contexts,
 # and 0.9 % pipelined in the decode bench (session 48); on an H100 within 0.8 % of 128 either way
@@ -220,11 +224,9 @@ def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, PACKED: tl.conste
 def _ranked_expert(logits_ptr, inv, slot, E, dtype, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
                    WARPS: tl.constexpr):
     """The expert ranked `slot` (< K) by `_rank_keys`, as `_top_k_ids` ranks them, with no barrier
-    between its K rounds: every warp holds all E_PAD logits (an [E_PAD / 32, WARPS, 32] tile, whose
-    middle axis Triton lays over the warps), so each round's maximum is one warp-wide reduction; one
-    block-wide maximum at the end gives the scalar. Block-wide, each of the K rounds took a shared-memory round
-    trip and its barriers: 26 barriers ahead of the first weight load in every gate/up program, 5
-    this way (sm_90, `sass_report`)."""
+    between its K rounds (`RANK_IN_WARPS`): every warp holds all E_PAD logits (an [E_PAD / 32, WARPS,
+    32] tile, whose middle axis Triton lays over the warps), so each round's maximum is one warp-wide
+    reduction; one block-wide maximum at the end gives the scalar."""
     LANES: tl.constexpr = 32 if E_PAD >= 32 else E_PAD
     e = ((tl.arange(0, E_PAD // LANES) * LANES)[:, None, None] + tl.zeros([1, WARPS, 1], dtype=tl.int32)
          + tl.arange(0, LANES)[None, None, :])
@@ -280,7 +282,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, COLUMNS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                           PACKED: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr):
+                           PACKED: tl.constexpr, RANK_IN_WARPS: tl.constexpr, WARPS: tl.constexpr,
+                           PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
     # `slot` (`_ranked_expert`: K rounds of a max within each warp, as this is on the path to the
@@ -326,12 +329,14 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
-        if SERE:  # every slot's id, for the moves
+        if SERE or not RANK_IN_WARPS:  # every slot's id (SERE: for the moves)
             e = tl.arange(0, E_PAD)
             router_ids, chosen = _top_k_ids(_scaled_logits(logits_ptr, inv, e, E, h_ptr.dtype.element_ty), e, K,
                                             K_PAD, PACKED)
-            ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
-                              HAS_OPT_OUT)
+            ids = router_ids
+            if SERE:
+                ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD,
+                                  K1, HAS_OPT_OUT)
             expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
         else:
             expert = _ranked_expert(logits_ptr, inv, slot, E, h_ptr.dtype.element_ty, K, E_PAD, PACKED, WARPS)
@@ -394,7 +399,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
-        PACKED=h.dtype == torch.bfloat16, WARPS=up_cfg.num_warps, **launch_options_moe(up_cfg, h))
+        PACKED=h.dtype == torch.bfloat16, RANK_IN_WARPS=RANK_IN_WARPS, WARPS=up_cfg.num_warps,
+        **launch_options_moe(up_cfg, h))
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
     down_cfg = dataclasses.replace(cfg, block_k=FOLD_DOWN_BLOCK_K or cfg.block_k)
     per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), down_cfg, slot_tiles=True, ready=ready)

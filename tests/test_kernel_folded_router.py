@@ -90,6 +90,14 @@ def test_folded_moe_gate_up_programs_take_columns_short_of_their_tile(device, co
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_folded_moe_gate_up_programs_rank_block_wide(device, monkeypatch):
+    """Each gate/up program's expert from the routing program's block-wide top-K (`RANK_IN_WARPS`
+    off, as before session 51), which the other tests rank within each warp."""
+    monkeypatch.setattr(folded_router, "RANK_IN_WARPS", False)
+    test_folded_moe_matches_reference(device, 96, 80, 60, 48, 8, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("keep,keep_normalize", [(2, True), (1, False), (3, True)])
 @pytest.mark.parametrize("opt_out", [None, False, True])
 def test_folded_moe_keeps_the_first_experts(device, keep, keep_normalize, opt_out):

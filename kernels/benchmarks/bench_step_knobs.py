@@ -36,7 +36,8 @@ expert union throughout.
 - top_k (batch 1, the same contexts): the fold's gate/up K tile (`folded_router.FOLD_GATE_UP_BLOCK_K`,
   which keeps its programs at two a multiprocessor), beside the down GEMM's K tile (`FOLD_DOWN_BLOCK_K`)
   and 32 columns (the result files of session 45 also time the top-K it replaced, ranks in one [E, E]
-  pass, then a knob).
+  pass, then a knob), and the gate/up programs' ranking block-wide as before session 51
+  (`folded_router.RANK_IN_WARPS`).
 - down (batch 1, the same contexts): the fold's down GEMM alone at other tiles (its K tile, stages and
   columns, which set how many of its programs fit beside the gate/up's before that launch ends).
 - ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
@@ -156,6 +157,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("gate/up K tile 128 (the config's)", [(folded_router, "FOLD_GATE_UP_BLOCK_K", 0)]),
             ("down K tile 128 (before session 48)", [(folded_router, "FOLD_DOWN_BLOCK_K", 0)]),
             ("gate/up K tile 256, 32 columns", [(folded_router, "FOLD_COLUMNS", 32)]),
+            ("gate/up programs ranking block-wide (before session 51)", [(folded_router, "RANK_IN_WARPS", False)]),
             ("committed again", []),
         ]),
         "down": (BATCH_1, [
