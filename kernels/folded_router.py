@@ -83,7 +83,9 @@ OUT_PROJ_ROWS = 4
 FOLD_GATE_UP_BLOCK_K = 256
 # Each gate/up program ranks its slot's expert within each warp (`_ranked_expert`: 5 barriers before
 # its first weight load at sm_90, `sass_report`), not block-wide as the routing program does
-# (`_top_k_ids`: a shared-memory round trip each of the K rounds, 26 barriers).
+# (`_top_k_ids`: a shared-memory round trip each of the K rounds, 26 barriers). The batch-1 step was
+# 3-4 us faster at a 256-token context in two runs, 1 and 25 us at 4,096 (H100, session 51,
+# bench_step_knobs' "top_k" set): under 1 %.
 RANK_IN_WARPS = True
 # The K tile of the fold's down GEMM (0: the MoE layer's tuned config, 128 at batch 1). At 256 the
 # batch-1 step was 0.6-1.7 % faster on an H200 in three knob sets at 256- and 4,096-token contexts,
@@ -287,8 +289,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
     # `slot` (`_ranked_expert`: K rounds of a max within each warp, as this is on the path to the
-    # first weight load; under SERE every slot's, `_top_k_ids`, for the moves). The GEMM's input is y = g * h as
-    # stored, its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's
+    # first weight load; under SERE every slot's, `_top_k_ids`, for the moves). The GEMM's input is
+    # y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's
     # (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a layer on the H100: its
     # operand no longer streamed straight from memory). Program 0 computes no slot: it stores the
     # routing, off the GEMM programs' path; programs 1 on are (slot, column tile), slot fastest, K x I /
