@@ -25,9 +25,9 @@ A routing policy that leaves a lone token its first n experts (OEA: alone, a tok
 whole union; truncation) is served too, in the same three launches: the slots from n on get weight
 0, no gate/up program, and expert -1 in the down GEMM's tiles, which stores their rows as zeros
 without reading an expert. So is SERE: alone, a token's first K' experts are its batch's primary
-set, and each later slot may move to the most similar of them (`_sere_moves`, from the layer's
-similarity row and protection); a moved slot runs its primary's GEMMs again, at about the time the
-primary's own programs read those weights.
+set, and each later slot may move to the most similar of them (`fold_routing.sere_moves`, from the
+layer's similarity row and protection); a moved slot runs its primary's GEMMs again, at about the
+time the primary's own programs read those weights. The routing's pieces: `fold_routing.py`.
 
 The logits differ from the reference's by rounding only: the reference rounds W_o a, h and x to
 the model's dtype before the router's GEMM, the fold rounds its folded rows once. Both then round
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
+from .fold_routing import ranked_expert, routed_ids, store_routing
 from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
                         pick_config, store_silu_mul)
 from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
@@ -81,9 +82,9 @@ OUT_PROJ_ROWS = 4
 # room, and the batch-1 step was 2.5-2.8 % slower than with the one-pass ranking it replaced; at 256
 # it is 2.2-2.4 % faster (H100, session 45, bench_step_knobs' "top_k" set).
 FOLD_GATE_UP_BLOCK_K = 256
-# Each gate/up program ranks its slot's expert within each warp (`_ranked_expert`: 5 barriers before
+# Each gate/up program ranks its slot's expert within each warp (`ranked_expert`: 5 barriers before
 # its first weight load at sm_90, `sass_report`), not block-wide as the routing program does
-# (`_top_k_ids`: a shared-memory round trip each of the K rounds, 26 barriers). The batch-1 step was
+# (`top_k_ids`: a shared-memory round trip each of the K rounds, 26 barriers). The batch-1 step was
 # 3-4 us faster at a 256-token context in two runs, 1 and 25 us at 4,096 (H100, session 51,
 # bench_step_knobs' "top_k" set): under 1 %.
 RANK_IN_WARPS = True
@@ -180,104 +181,6 @@ def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _scaled_logits(logits_ptr, inv, e, E, dtype):
-    """The router's logits at experts e (any shape; -inf past E): the folded sums times h's 1 / RMS,
-    rounded to the model's dtype as F.linear rounds them."""
-    raw = tl.load(logits_ptr + e, mask=e < E, other=0.0)
-    return tl.where(e < E, (raw * inv).to(dtype).to(tl.float32), float("-inf"))
-
-
-@triton.jit
-def _rank_keys(logit, e, PACKED: tl.constexpr):
-    """(one integer key an expert, in rank order: distinct, larger ranks ahead; a key below them all).
-    An expert ranks ahead of another with a larger logit, or an equal one and a lower id (the order
-    of `layer_ops.store_softmax_topk`): the logit's bits made to order as signed integers above its
-    id reversed in the key's 16 low bits (at most 65,536 experts; the fold takes 128). PACKED (logits
-    that are bfloat16 values): the logit's 16 high bits above it, an int32 key; otherwise all 32, an
-    int64 one. A NaN logit ranks ahead of every number (as torch.topk has it) and -0.0 as +0.0, so
-    the ids taken are always distinct experts. K rounds that each take the largest key left rank the
-    top-K: ranking every expert against every other, an [E, E] comparison, took 1,700 instructions a
-    thread ahead of the first weight load in every gate/up program against 270 (sm_90)."""
-    bits = tl.where(logit == logit, tl.where(logit == 0.0, 0, logit.to(tl.int32, bitcast=True)), 0x7FC00000)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a negative float's magnitude bits flipped
-    if PACKED:
-        key, lowest = (ordered & -65536) | (65535 - e), -2147483648
-    else:
-        key, lowest = (ordered.to(tl.int64) << 32) | (65535 - e), -9223372036854775808
-    return key, lowest
-
-
-@triton.jit
-def _top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, PACKED: tl.constexpr):
-    """(the router's top-K ids [K_PAD] in rank order, which expert each slot holds [K_PAD, E_PAD]) of
-    the logits [E_PAD] (-inf past E), one element a thread: K block-wide maxima of `_rank_keys`. For
-    the routing program and SERE, which need every slot; a GEMM program takes `_ranked_expert`."""
-    k = tl.arange(0, K_PAD)
-    key, lowest = _rank_keys(logit, e, PACKED)
-    ids = tl.zeros([K_PAD], dtype=tl.int64)
-    for r in tl.static_range(K):
-        best = tl.max(key, axis=0)
-        ids = tl.where(k == r, (65535 - (best & 65535)).to(tl.int64), ids)
-        key = tl.where(key == best, lowest, key)  # taken: below every key
-    return ids, (e[None, :] == ids[:, None]) & (k[:, None] < K)
-
-
-@triton.jit
-def _ranked_expert(logits_ptr, inv, slot, E, dtype, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
-                   WARPS: tl.constexpr):
-    """The expert ranked `slot` (< K) by `_rank_keys`, as `_top_k_ids` ranks them, with no barrier
-    between its K rounds (`RANK_IN_WARPS`): every warp holds all E_PAD logits (an [E_PAD / 32, WARPS,
-    32] tile, whose middle axis Triton lays over the warps), so each round's maximum is one warp-wide
-    reduction; one block-wide maximum at the end gives the scalar."""
-    LANES: tl.constexpr = 32 if E_PAD >= 32 else E_PAD
-    e = ((tl.arange(0, E_PAD // LANES) * LANES)[:, None, None] + tl.zeros([1, WARPS, 1], dtype=tl.int32)
-         + tl.arange(0, LANES)[None, None, :])
-    key, lowest = _rank_keys(_scaled_logits(logits_ptr, inv, e, E, dtype), e, PACKED)
-    found = tl.full([WARPS], lowest, dtype=key.dtype)
-    for r in tl.static_range(K):
-        best = tl.max(tl.max(key, axis=2), axis=0)  # [WARPS], each warp's own
-        found = tl.where(slot == r, best, found)
-        key = tl.where(key == best[None, :, None], lowest, key)
-    return (65535 - (tl.max(found, axis=0) & 65535)).to(tl.int64)
-
-
-@triton.jit
-def _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K: tl.constexpr,
-                K_PAD: tl.constexpr, K1: tl.constexpr, HAS_OPT_OUT: tl.constexpr):
-    """A lone token's ids after SERE (`sere_reroute_reference` for a batch of one): its first K1
-    experts are the primary set; a later slot holding an unprotected e moves to the primary most
-    similar to e (the lowest id at a tie) where that similarity reaches the threshold, unless the
-    token opted out."""
-    k = tl.arange(0, K_PAD)
-    sim = tl.load(sim_ptr + router_ids[:, None] * E + e[None, :], mask=(k[:, None] < K) & (e[None, :] < E),
-                  other=float("-inf"))
-    primary = tl.sum(((k[:, None] < K1) & chosen).to(tl.int32), axis=0) > 0
-    sim = tl.where(primary[None, :], sim, float("-inf"))
-    protected = tl.load(protect_ptr + router_ids, mask=k < K, other=0).to(tl.int32)
-    move = (k >= K1) & (protected == 0) & (tl.max(sim, axis=1) >= threshold)
-    if HAS_OPT_OUT:
-        move = move & (tl.load(opt_out_ptr).to(tl.int32) == 0)
-    return tl.where(move, tl.argmax(sim, axis=1, tie_break_left=True).to(tl.int64), router_ids)
-
-
-@triton.jit
-def _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
-                   K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
-    """The router's top-K ids; the ids computed: the first `kept` of `ids`, the other slots pointing
-    at the first expert with weight 0; weights the kept slots' probabilities, renormalised over them
-    where NORMALIZE; the down GEMM's tiles: the kept ids, -1 for a dropped slot."""
-    k = tl.arange(0, K_PAD)
-    p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
-    live = k < kept
-    p_kept = tl.where(live, tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1), 0.0)
-    total = tl.sum(p_kept, axis=0) if NORMALIZE else tl.sum(p, axis=0)
-    tl.store(router_ids_ptr + k, router_ids, mask=k < K)
-    tl.store(ids_ptr + k, tl.where(live, ids, tl.sum(tl.where(k == 0, router_ids, 0))), mask=k < K)
-    tl.store(weights_ptr + k, (p_kept / total).to(weights_ptr.dtype.element_ty), mask=k < K)
-    tl.store(tiles_ptr + k, tl.where(live, ids, -1), mask=k < K)
-
-
-@triton.jit
 def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, router_ids_ptr, ids_ptr, weights_ptr,
                            tiles_ptr, ready_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps, K: tl.constexpr,
                            KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr, E_PAD: tl.constexpr,
@@ -288,8 +191,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
-    # `slot` (`_ranked_expert`: K rounds of a max within each warp, as this is on the path to the
-    # first weight load; under SERE every slot's, `_top_k_ids`, for the moves). The GEMM's input is
+    # `slot` (`ranked_expert`: K rounds of a max within each warp, as this is on the path to the
+    # first weight load; under SERE every slot's, `top_k_ids`, for the moves). The GEMM's input is
     # y = g * h as stored, its sums scaled by 1 / RMS after the loop, so the loop is the plain gate/up kernel's
     # (x = rms_norm(h) computed in the loop, a tile at a time, cost 4.4 us a layer on the H100: its
     # operand no longer streamed straight from memory). Program 0 computes no slot: it stores the
@@ -299,7 +202,7 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     # after the wait; the batch-1 step was within 0.1 % either way (H100, session 47).
     # KEEP < K: slots from KEEP on are dropped (no GEMM; the down GEMM skips them too), unless the
     # token opted out of re-routing (HAS_OPT_OUT: opt_out_ptr). SERE: every slot kept, those from K1
-    # on moved as `_sere_moves` says (a moved slot reads its primary's weights again, at about the
+    # on moved as `sere_moves` says (a moved slot reads its primary's weights again, at about the
     # time the primary's programs read them).
     wait_for_inputs(PDL)
     pid = tl.program_id(0) - 1
@@ -312,36 +215,27 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         return
     row = tl.arange(0, H_PAD)
     inv = inverse_rms(tl.load(h_ptr + row, mask=row < H, other=0.0), H, eps)
+    dtype = h_ptr.dtype.element_ty
     if slot == K:
-        e = tl.arange(0, E_PAD)
-        logit = _scaled_logits(logits_ptr, inv, e, E, h_ptr.dtype.element_ty)
-        router_ids, chosen = _top_k_ids(logit, e, K, K_PAD, PACKED)
-        ids = router_ids
-        if SERE:
-            ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD, K1,
-                              HAS_OPT_OUT)
+        logit, router_ids, chosen, ids = routed_ids(logits_ptr, inv, E, dtype, sim_ptr, protect_ptr, threshold,
+                                                    opt_out_ptr, SERE, K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
         if kept == K:
-            _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
-                           K, K_PAD, ROUTER_NORMALIZE)
+            store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
+                          K, K_PAD, ROUTER_NORMALIZE)
         else:
-            _store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
-                           K, K_PAD, KEEP_NORMALIZE)
+            store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
+                          K, K_PAD, KEEP_NORMALIZE)
         # The down GEMM's programs, launched behind this one, wait for ready to load their experts'
         # weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
         if SERE or not RANK_IN_WARPS:  # every slot's id (SERE: for the moves)
-            e = tl.arange(0, E_PAD)
-            router_ids, chosen = _top_k_ids(_scaled_logits(logits_ptr, inv, e, E, h_ptr.dtype.element_ty), e, K,
-                                            K_PAD, PACKED)
-            ids = router_ids
-            if SERE:
-                ids = _sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_out_ptr, K, K_PAD,
-                                  K1, HAS_OPT_OUT)
+            _, _, _, ids = routed_ids(logits_ptr, inv, E, dtype, sim_ptr, protect_ptr, threshold, opt_out_ptr, SERE,
+                                      K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
             expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
         else:
-            expert = _ranked_expert(logits_ptr, inv, slot, E, h_ptr.dtype.element_ty, K, E_PAD, PACKED, WARPS)
+            expert = ranked_expert(logits_ptr, inv, slot, E, dtype, K, E_PAD, PACKED, WARPS)
         m = tl.arange(0, BLOCK_M)
         cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
         col_ok = ((tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I))[None, :]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, SerePolicy, TruncatePolicy
-from zipmoe.kernels import dependent_launch, folded_router
+from zipmoe.kernels import dependent_launch, fold_routing, folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
 
@@ -223,7 +223,7 @@ def test_the_model_folds_its_routers_up_to_the_expert_limit(tiny_checkpoint, mon
 def _top_k_ids_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                       PACKED: tl.constexpr):
     e = tl.arange(0, E_PAD)
-    ids, _ = folded_router._top_k_ids(tl.load(logit_ptr + e, mask=e < E, other=float("-inf")), e, K, K_PAD, PACKED)
+    ids, _ = fold_routing.top_k_ids(tl.load(logit_ptr + e, mask=e < E, other=float("-inf")), e, K, K_PAD, PACKED)
     tl.store(ids_ptr + tl.arange(0, K_PAD), ids, mask=tl.arange(0, K_PAD) < K)
 
 
@@ -231,7 +231,7 @@ def _top_k_ids_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, K_PAD: tl.constexp
 def _ranked_expert_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
                           DTYPE: tl.constexpr, WARPS: tl.constexpr):
     slot = tl.program_id(0)
-    tl.store(ids_ptr + slot, folded_router._ranked_expert(logit_ptr, 1.0, slot, E, DTYPE, K, E_PAD, PACKED, WARPS))
+    tl.store(ids_ptr + slot, fold_routing.ranked_expert(logit_ptr, 1.0, slot, E, DTYPE, K, E_PAD, PACKED, WARPS))
 
 
 def _ranked(logits: list[float]) -> list[int]:
