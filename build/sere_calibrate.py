@@ -160,7 +160,7 @@ def expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e
     out = torch.empty(E, x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     for s in range(0, E, expert_chunk):
         gate, up = torch.matmul(x, gate_up[s:s + expert_chunk].transpose(1, 2)).chunk(2, dim=-1)
-        out[s:s + expert_chunk] = torch.matmul(F.silu(gate) * up, down[s:s + expert_chunk].transpose(1, 2))
+        out[s:s + expert_chunk] = torch.matmul(F.silu(gate) * up, down[s:s + expert_chunk])
         if progress is not None:
             progress.update()
     return out

@@ -2,8 +2,9 @@
 Triton pieces: the router's logits scaled by h's 1 / RMS (`scaled_logits`), one integer key an
 expert in rank order (`rank_keys`), the top-K by K rounds of a max, block-wide for every slot
 (`top_k_ids`, the routing program and SERE) or within each warp for one slot (`ranked_expert`, a
-GEMM program), SERE's moves for a lone token (`sere_moves`), and the stores of the ids, weights
-and the down GEMM's tiles (`store_routing`). `routed_ids` chains the block-wide ones.
+GEMM program, its weight too where that program runs the down GEMM), SERE's moves for a lone token
+(`sere_moves`), the slots' weights (`routing_weights`) and the stores of the ids, weights and the down
+GEMM's tiles (`store_routing`). `routed_ids` chains the block-wide ones.
 """
 from __future__ import annotations
 
@@ -55,22 +56,58 @@ def top_k_ids(logit, e, K: tl.constexpr, K_PAD: tl.constexpr, PACKED: tl.constex
 
 
 @triton.jit
-def ranked_expert(logits_ptr, inv, slot, E, dtype, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
-                   WARPS: tl.constexpr):
-    """The expert ranked `slot` (< K) by `rank_keys`, as `top_k_ids` ranks them, with no barrier
-    between its K rounds (`folded_router.RANK_IN_WARPS`): every warp holds all E_PAD logits (an [E_PAD / 32, WARPS,
-    32] tile, whose middle axis Triton lays over the warps), so each round's maximum is one warp-wide
+def ranked_expert(logits_ptr, inv, slot, kept, E, dtype, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
+                  WARPS: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr, KEEP_NORMALIZE: tl.constexpr,
+                  WEIGHT: tl.constexpr):
+    """(the expert ranked `slot` (< K) by `rank_keys`, as `top_k_ids` ranks them; WEIGHT: its routing
+    weight in float32, as `routing_weights` gives it, else 0) with no barrier between the K rounds
+    (`folded_router.RANK_IN_WARPS`): every warp holds all E_PAD logits (an [E_PAD / 32, WARPS, 32]
+    tile, whose middle axis Triton lays over the warps), so each round's maximum is one warp-wide
     reduction; one block-wide maximum at the end gives the scalar."""
     LANES: tl.constexpr = 32 if E_PAD >= 32 else E_PAD
     e = ((tl.arange(0, E_PAD // LANES) * LANES)[:, None, None] + tl.zeros([1, WARPS, 1], dtype=tl.int32)
          + tl.arange(0, LANES)[None, None, :])
-    key, lowest = rank_keys(scaled_logits(logits_ptr, inv, e, E, dtype), e, PACKED)
+    logit = scaled_logits(logits_ptr, inv, e, E, dtype)
+    key, lowest = rank_keys(logit, e, PACKED)
     found = tl.full([WARPS], lowest, dtype=key.dtype)
+    live = e < 0  # the kept slots' experts, all False so far
     for r in tl.static_range(K):
         best = tl.max(tl.max(key, axis=2), axis=0)  # [WARPS], each warp's own
         found = tl.where(slot == r, best, found)
-        key = tl.where(key == best[None, :, None], lowest, key)
-    return (65535 - (tl.max(found, axis=0) & 65535)).to(tl.int64)
+        taken = key == best[None, :, None]
+        live = live | (taken & (r < kept))
+        key = tl.where(taken, lowest, key)
+    expert = (65535 - (tl.max(found, axis=0) & 65535)).to(tl.int64)
+    weight = 0.0
+    if WEIGHT:  # each warp's sums over its own copy of the logits, then the one scalar
+        p = tl.exp(logit - tl.max(tl.max(logit, axis=2), axis=0)[None, :, None])
+        p_slot = tl.sum(tl.sum(tl.where(e == expert, p, 0.0), axis=2), axis=0)
+        normalize = _normalizes(kept, K, ROUTER_NORMALIZE, KEEP_NORMALIZE)
+        total = tl.where(normalize, tl.sum(tl.sum(tl.where(live, p, 0.0), axis=2), axis=0),
+                         tl.sum(tl.sum(p, axis=2), axis=0))
+        weight = tl.where(slot < kept, tl.max(p_slot / total, axis=0), 0.0)
+    return expert, weight
+
+
+@triton.jit
+def _normalizes(kept, K: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr, KEEP_NORMALIZE: tl.constexpr):
+    """Whether the weights are renormalised over the kept slots: the router's choice where the token
+    keeps all K, the kept slots' (OEA, truncation) otherwise."""
+    return ((kept == K) & ROUTER_NORMALIZE) | ((kept != K) & KEEP_NORMALIZE)
+
+
+@triton.jit
+def routing_weights(logit, chosen, kept, K: tl.constexpr, K_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
+                    KEEP_NORMALIZE: tl.constexpr):
+    """The slots' weights [K_PAD] (float32) from the logits [E_PAD] and which expert each slot holds
+    ([K_PAD, E_PAD], `top_k_ids`): the first `kept` slots' probabilities, renormalised over them where
+    `_normalizes` says so; 0 for the others."""
+    k = tl.arange(0, K_PAD)
+    p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
+    p_kept = tl.where(k < kept, tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1), 0.0)
+    total = tl.where(_normalizes(kept, K, ROUTER_NORMALIZE, KEEP_NORMALIZE), tl.sum(p_kept, axis=0),
+                     tl.sum(p, axis=0))
+    return p_kept / total
 
 
 @triton.jit
@@ -93,19 +130,16 @@ def sere_moves(router_ids, chosen, e, E, sim_ptr, protect_ptr, threshold, opt_ou
 
 
 @triton.jit
-def store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
-                   K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+def store_routing(router_ids, ids, weights, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K: tl.constexpr,
+                  K_PAD: tl.constexpr):
     """The router's top-K ids; the ids computed: the first `kept` of `ids`, the other slots pointing
-    at the first expert with weight 0; weights the kept slots' probabilities, renormalised over them
-    where NORMALIZE; the down GEMM's tiles: the kept ids, -1 for a dropped slot."""
+    at the first expert (weight 0, `routing_weights`); the weights; the down GEMM's tiles: the kept
+    ids, -1 for a dropped slot."""
     k = tl.arange(0, K_PAD)
-    p = tl.exp(logit - tl.max(logit, axis=0))  # softmax numerators (padding: exp(-inf) = 0)
     live = k < kept
-    p_kept = tl.where(live, tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1), 0.0)
-    total = tl.sum(p_kept, axis=0) if NORMALIZE else tl.sum(p, axis=0)
     tl.store(router_ids_ptr + k, router_ids, mask=k < K)
     tl.store(ids_ptr + k, tl.where(live, ids, tl.sum(tl.where(k == 0, router_ids, 0))), mask=k < K)
-    tl.store(weights_ptr + k, (p_kept / total).to(weights_ptr.dtype.element_ty), mask=k < K)
+    tl.store(weights_ptr + k, weights.to(weights_ptr.dtype.element_ty), mask=k < K)
     tl.store(tiles_ptr + k, tl.where(live, ids, -1), mask=k < K)
 
 

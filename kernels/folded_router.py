@@ -1,6 +1,6 @@
 """One decode token's MoE block with its router folded into the attention's output projection:
-three launches (Triton) where the output projection, the router and the two expert GEMMs were
-four; beside its PyTorch reference.
+two launches (Triton) where the output projection, the router and the two expert GEMMs were four;
+beside its PyTorch reference.
 
 Why. At batch 1 the router is a launch of its own (`router.add_norm_router`, 8.0 us a layer on
 the H200 for 0.5 MB of weights) only because it needs the whole residual row h = r + W_o a (r the
@@ -16,15 +16,16 @@ itself. So:
    g * h (stored), and in E / BLOCK_N programs more the router's logits before the norm's scale
    (float32);
 2. `_routed_gate_up_kernel`: every program takes h's RMS and the top-K of the scaled logits itself
-   (4 kB and 512 B from L2), finds its slot's expert, and runs the gate and up GEMMs on y (their
-   sums times 1 / RMS); one program more stores the ids and weights;
-3. `fused_moe.down_per_slot`: the down GEMM of each slot, times its weight, unsummed (the next
-   layer's q/k/v launch sums the slots with its residual add).
+   (4 kB and 512 B from L2), finds its slot's expert and weight, runs the gate and up GEMMs on y
+   (their sums times 1 / RMS) for its columns, then those columns' share of the down GEMM, times
+   the weight, added into its slot's float32 row (`_down_into_slot`); one program more stores the
+   ids and weights. The next layer's q/k/v launch sums the slots with its residual add. (FUSED_DOWN
+   off: the gate/up programs store their columns and a third launch, `fused_moe.down_per_slot`, runs
+   the down GEMM.)
 
 A routing policy that leaves a lone token its first n experts (OEA: alone, a token's top-k0 is the
-whole union; truncation) is served too, in the same three launches: the slots from n on get weight
-0, no gate/up program, and expert -1 in the down GEMM's tiles, which stores their rows as zeros
-without reading an expert. So is SERE: alone, a token's first K' experts are its batch's primary
+whole union; truncation) is served too, in the same launches: the slots from n on get weight 0 and
+no gate/up program, so their rows stay zero and no expert is read for them. So is SERE: alone, a token's first K' experts are its batch's primary
 set, and each later slot may move to the most similar of them (`fold_routing.sere_moves`, from the
 layer's similarity row and protection); a moved slot runs its primary's GEMMs again, at about the
 time the primary's own programs read those weights. The routing's pieces: `fold_routing.py`.
@@ -42,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
-from .fold_routing import ranked_expert, routed_ids, store_routing
-from .fused_moe import (down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
-                        pick_config, store_silu_mul)
+from .fold_routing import ranked_expert, routed_ids, routing_weights, store_routing
+from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
+                        pick_config, silu_mul, store_silu_mul)
 from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
                    gemv_rows_from)
 from .layer_ops import inverse_rms, weighted
@@ -88,11 +89,18 @@ FOLD_GATE_UP_BLOCK_K = 256
 # 3-4 us faster at a 256-token context in two runs, 1 and 25 us at 4,096 (H100, session 51,
 # bench_step_knobs' "top_k" set): under 1 %.
 RANK_IN_WARPS = True
-# The K tile of the fold's down GEMM (0: the MoE layer's tuned config, 128 at batch 1). At 256 the
-# batch-1 step was 0.6-1.7 % faster on an H200 in three knob sets at 256- and 4,096-token contexts,
-# and 0.9 % pipelined in the decode bench (session 48); on an H100 within 0.8 % of 128 either way
-# over four runs (sessions 45 and 47). 48 kB of shared memory: four programs a multiprocessor.
-FOLD_DOWN_BLOCK_K = 256
+# Each gate/up program runs its own share of its slot's down GEMM (`_down_into_slot`): its COLUMNS of
+# SiLU(gate) * up never leave its registers, the down GEMM is no launch of its own, and the slots'
+# outputs are float32 sums of the programs' atomics (their order, so their last bits, free). It reads
+# its columns' rows of the [E, I, H] down weight whole; off (the down GEMM's own launch,
+# `fused_moe.down_per_slot`), the batch-1 step was about 75 us slower at 256- and 4,096-token contexts,
+# and with the [E, H, I] weight before session 52 (64-byte pieces of its rows) 95 us faster than the
+# fused path (H100, session 52, bench_step_knobs' "fused_down" set). DOWN_N: the down rows a step of
+# that loop takes (128: 56 us slower than 256); DOWN_AHEAD (0 or a power of two): rows loaded before
+# the gate/up loop (256: 44 us slower than none).
+FUSED_DOWN = True
+DOWN_N = 256
+DOWN_AHEAD = 0
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +141,9 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 
 @triton.jit
 def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr,
-                            logits_ptr, ready_ptr, H, E, A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
+                            logits_ptr, ready_ptr, acc_ptr, H, E, A: tl.constexpr, HK: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+                            ZERO_SLOTS: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
     # add round, and of y = g * h, the experts' input before the norm's 1 / RMS (a scalar the gate/up
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
@@ -147,6 +156,9 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     # the rows' loads after their wait; taking their sums over r first made the batch-1 step 0.8 %
     # faster at a 256-token context and 1.0 % at 4,096, in each of three interleaved pairs; the rows'
     # r and g then 1.2 % more at 256 tokens and 0-1 % at 4,096 (H100, session 44, bench_step_knobs).
+    # ZERO_SLOTS (FUSED_DOWN): the rows' columns of the slots' sums acc [ZERO_SLOTS, H] zeroed, after
+    # the wait (the memory may be a buffer the launches before still read), for the gate/up launch's
+    # atomics.
     pid = tl.program_id(0)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
@@ -159,6 +171,8 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
         h = (r.to(tl.float32) + o.to(r.dtype).to(tl.float32)).to(r.dtype)
         tl.store(h_out_ptr + n, h, mask=n < H)
         tl.store(y_ptr + n, weighted(h, g), mask=n < H)
+        for k in tl.static_range(ZERO_SLOTS):
+            tl.store(acc_ptr + k * H + n, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n < H)
     else:
         e = (pid - out_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         over_r = gemv_rows(res_ptr, gate_r_ptr, e, E, HK, BLOCK_N, BLOCK_K)  # before the wait (above)
@@ -181,13 +195,15 @@ def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, router_ids_ptr, ids_ptr, weights_ptr,
-                           tiles_ptr, ready_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps, K: tl.constexpr,
+def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, down_ptr, acc_ptr, router_ids_ptr,
+                           ids_ptr, weights_ptr, tiles_ptr, ready_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps,
+                           K: tl.constexpr,
                            KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr, E_PAD: tl.constexpr,
                            K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
                            KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, COLUMNS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                            PACKED: tl.constexpr, RANK_IN_WARPS: tl.constexpr, WARPS: tl.constexpr,
+                           FUSED_DOWN: tl.constexpr, DOWN_AHEAD: tl.constexpr, DOWN_N: tl.constexpr,
                            PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
@@ -219,35 +235,78 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
     if slot == K:
         logit, router_ids, chosen, ids = routed_ids(logits_ptr, inv, E, dtype, sim_ptr, protect_ptr, threshold,
                                                     opt_out_ptr, SERE, K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
-        if kept == K:
-            store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
-                          K, K_PAD, ROUTER_NORMALIZE)
-        else:
-            store_routing(router_ids, ids, chosen, logit, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr,
-                          K, K_PAD, KEEP_NORMALIZE)
+        weights = routing_weights(logit, chosen, kept, K, K_PAD, ROUTER_NORMALIZE, KEEP_NORMALIZE)
+        store_routing(router_ids, ids, weights, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD)
         # The down GEMM's programs, launched behind this one, wait for ready to load their experts'
         # weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
         if SERE or not RANK_IN_WARPS:  # every slot's id (SERE: for the moves)
-            _, _, _, ids = routed_ids(logits_ptr, inv, E, dtype, sim_ptr, protect_ptr, threshold, opt_out_ptr, SERE,
-                                      K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
+            logit, _, chosen, ids = routed_ids(logits_ptr, inv, E, dtype, sim_ptr, protect_ptr, threshold,
+                                               opt_out_ptr, SERE, K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
             expert = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, ids, 0))
+            weight = 0.0
+            if FUSED_DOWN:
+                weights = routing_weights(logit, chosen, kept, K, K_PAD, ROUTER_NORMALIZE, KEEP_NORMALIZE)
+                weight = tl.sum(tl.where(tl.arange(0, K_PAD) == slot, weights, 0.0))
         else:
-            expert = ranked_expert(logits_ptr, inv, slot, E, dtype, K, E_PAD, PACKED, WARPS)
+            expert, weight = ranked_expert(logits_ptr, inv, slot, kept, E, dtype, K, E_PAD, PACKED, WARPS,
+                                           ROUTER_NORMALIZE, KEEP_NORMALIZE, FUSED_DOWN)
         m = tl.arange(0, BLOCK_M)
         cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
-        col_ok = ((tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I))[None, :]
+        col_real = (tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I)
+        col_ok = col_real[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
         w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
+        w_down = 0
+        if DOWN_AHEAD:  # the down GEMM's first rows (FUSED_DOWN), held through the gate/up loop
+            w_down = _down_columns(down_ptr, expert, cols, col_real, 0, H, I, DOWN_AHEAD)
         for k0 in range(0, H, BLOCK_K):
             a = tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :],
                         mask=(m[:, None] == 0) & (k0 + ks < H)[None, :], other=0.0)  # the tile's one real row
             acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
-        store_silu_mul(out_ptr, tl.where(m == 0, slot, 0), cols, m == 0, col_ok, acc_g * inv, acc_u * inv, I)
+        if FUSED_DOWN:
+            _down_into_slot(silu_mul(acc_g * inv, acc_u * inv).to(dtype), w_down, down_ptr, acc_ptr, expert, slot,
+                            weight.to(dtype).to(tl.float32), cols, col_real, H, I, BLOCK_M, DOWN_AHEAD, DOWN_N,
+                            PRECISION)
+        else:
+            store_silu_mul(out_ptr, tl.where(m == 0, slot, 0), cols, m == 0, col_ok, acc_g * inv, acc_u * inv, I)
+
+
+@triton.jit
+def _down_columns(down_ptr, expert, cols, col_real, n0, H, I, ROWS: tl.constexpr):
+    """Rows [n0, n0 + ROWS) of the expert's down weight at columns `cols`, as [BLOCK_N, ROWS]."""
+    n = n0 + tl.arange(0, ROWS)
+    return tl.load(down_ptr + expert * I * H + cols[:, None].to(tl.int64) * H + n[None, :],
+                   mask=col_real[:, None] & (n < H)[None, :], other=0.0)
+
+
+@triton.jit
+def _slot_rows_add(act, w, acc_ptr, slot, weight, n0, H, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Rows [n0, n0 + ROWS) of act's row 0 times w, times the weight, added into the slot's row of acc."""
+    n = n0 + tl.arange(0, ROWS)
+    out = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, tl.dot(act, w, input_precision=PRECISION), 0.0), axis=0)
+    tl.atomic_add(acc_ptr + slot * H + n, out * weight, mask=n < H, sem="relaxed")
+
+
+@triton.jit
+def _down_into_slot(act, w_down, down_ptr, acc_ptr, expert, slot, weight, cols, col_real, H, I, BLOCK_M: tl.constexpr,
+                    DOWN_AHEAD: tl.constexpr, DOWN_N: tl.constexpr, PRECISION: tl.constexpr):
+    """FUSED_DOWN: this program's share of its slot's down GEMM, act [BLOCK_M, BLOCK_N] (row 0 the
+    token's SiLU(gate) * up at `cols`, rounded as the hidden rows are stored) times the expert's down
+    columns `cols` (w_down: its first DOWN_AHEAD rows, loaded before the gate/up loop), times the
+    slot's weight, added (float32 atomics) into the slot's row of acc [K, H], which the output
+    projection's launch zeroed. The slot's I / COLUMNS programs add into each element in no fixed
+    order, so the sum's last bits may differ between runs."""
+    if DOWN_AHEAD:
+        _slot_rows_add(act, w_down, acc_ptr, slot, weight, 0, H, BLOCK_M, DOWN_AHEAD, PRECISION)
+    for n0 in range(DOWN_AHEAD, H, DOWN_N):
+        w = _down_columns(down_ptr, expert, cols, col_real, n0, H, I, DOWN_N)
+        _slot_rows_add(act, w, acc_ptr, slot, weight, n0, H, BLOCK_M, DOWN_N, PRECISION)
 
 
 @torch.library.custom_op("zipmoe::folded_moe", mutates_args=())
@@ -256,7 +315,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float,
                similarity: torch.Tensor | None = None, protect: torch.Tensor | None = None, primary_k: int = 0,
                threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`folded_moe_reference`'s contract for one token in three launches, the dropped slots' experts
+    """`folded_moe_reference`'s contract for one token in two launches (three without FUSED_DOWN), the dropped slots' experts
     not read. gate, the unfolded router, is not read: gate_r and gate_o are its fold."""
     H, A = o_weight.shape
     E, two_i, _ = gate_up.shape
@@ -278,28 +337,33 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
     ready = torch.empty(1, dtype=torch.int32, device=h.device)  # the routing stored (lowered, then raised)
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
+    # FUSED_DOWN: the slots' outputs are summed into here by the gate/up launch (zeroed by the first).
+    per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None
     _out_proj_logits_kernel[(triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS),)](
-        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS,
-        BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), num_warps=GEMV_WARPS, **launch_options(h.device))
+        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,
+        H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS, BLOCK_K=block_k, AHEAD=ahead_width(A, block_k),
+        ZERO_SLOTS=top_k if FUSED_DOWN else 0, num_warps=GEMV_WARPS, **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, FOLD_STAGES))
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
     weights = torch.empty(1, top_k, dtype=h.dtype, device=h.device)
-    hidden = torch.empty(top_k, I, dtype=h.dtype, device=h.device)
+    hidden = per_slot if FUSED_DOWN else torch.empty(top_k, I, dtype=h.dtype, device=h.device)
     columns = FOLD_COLUMNS or cfg.block_n
     up_cfg = dataclasses.replace(cfg, block_n=max(16, triton.next_power_of_2(columns)),  # tl.dot's least
                                  block_k=FOLD_GATE_UP_BLOCK_K or cfg.block_k)
     _routed_gate_up_kernel[(1 + top_k * triton.cdiv(I, columns),)](
-        h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, router_ids, ids, weights, tiles,
-        ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
+        h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, down, hidden, router_ids, ids,
+        weights, tiles, ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
         H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
         K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
         KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
         PACKED=h.dtype == torch.bfloat16, RANK_IN_WARPS=RANK_IN_WARPS, WARPS=up_cfg.num_warps,
-        **launch_options_moe(up_cfg, h))
+        FUSED_DOWN=FUSED_DOWN, DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N, **launch_options_moe(up_cfg, h))
+    if FUSED_DOWN:
+        return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).
-    down_cfg = dataclasses.replace(cfg, block_k=FOLD_DOWN_BLOCK_K or cfg.block_k)
-    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), down_cfg, slot_tiles=True, ready=ready)
+    per_slot = down_per_slot(hidden, down, weights, tiles, tiles.reshape(-1), down_config(cfg), slot_tiles=True,
+                             ready=ready)
     return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
 
 
@@ -307,4 +371,5 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
 def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, keep, keep_normalize, opt_out,
       eps, similarity=None, protect=None, primary_k=0, threshold=0.0):
     ids = h.new_empty(1, top_k, dtype=torch.int64)
-    return torch.empty_like(h), h.new_empty(1, top_k, h.shape[1]), ids, torch.empty_like(ids), h.new_empty(1, top_k)
+    per_slot = h.new_empty(1, top_k, h.shape[1], dtype=torch.float32 if FUSED_DOWN else h.dtype)
+    return torch.empty_like(h), per_slot, ids, torch.empty_like(ids), h.new_empty(1, top_k)

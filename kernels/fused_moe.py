@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,12 @@ TUNED_CONFIGS = Path(__file__).with_name("fused_moe_configs.json")
 # a decode batch of 128 x top-8 is 1,024, a 1,024-token prefill chunk 8,192. Above it the reference
 # runs: about fifteen launches and a sort, whose host cost an eager prefill step pays every layer.
 ALIGN_MAX_SLOTS = 8192
+# The down weight is [E, I, H] (`engine/model.py` transposes the checkpoint's [E, H, I] at load), so
+# that one decode token's gate/up programs read their share of it as whole rows (`folded_router`'s
+# FUSED_DOWN). The down GEMM's tile then spans BLOCK_N columns of H: at the tuned 32 (64-byte pieces
+# of each row) the batch-16 and 64 steps were 11-15 % slower; at 128 x 64 (columns x rows) they read
+# the union's weights as fast as the [E, H, I] GEMM at its tuned tiles (H100, session 52).
+DOWN_BLOCK_N, DOWN_BLOCK_K = 128, 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,6 +69,12 @@ def _tuned(key: str) -> dict[int, MoeConfig]:
         return {}
     table = json.loads(TUNED_CONFIGS.read_text()).get(key, {})
     return {int(t): MoeConfig(*cfg) for t, cfg in table.items()}
+
+
+def down_config(cfg: MoeConfig) -> MoeConfig:
+    """The down GEMM's tile for the tile shape cfg (the gate/up GEMM's): at least DOWN_BLOCK_N columns
+    and at most DOWN_BLOCK_K rows of the [E, I, H] weight a step."""
+    return dataclasses.replace(cfg, block_n=max(cfg.block_n, DOWN_BLOCK_N), block_k=min(cfg.block_k, DOWN_BLOCK_K))
 
 
 def pick_config(num_tokens: int, num_experts: int, hidden: int, width: int, elem_bytes: int = 2) -> MoeConfig:
@@ -194,9 +207,15 @@ def gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION: tl
 
 
 @triton.jit
+def silu_mul(acc_g, acc_u):
+    """SiLU(gate) * up, in float32."""
+    return acc_g * tl.sigmoid(acc_g) * acc_u
+
+
+@triton.jit
 def store_silu_mul(out_ptr, slots, cols, valid, col_ok, acc_g, acc_u, I):
     """SiLU(gate) * up of the tile's slots, stored as the down GEMM's input rows."""
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    h = silu_mul(acc_g, acc_u)
     tl.store(out_ptr + slots[:, None].to(tl.int64) * I + cols[None, :], h.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok)
 
@@ -226,9 +245,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_slots_ptr, tile_expert_ptr, S, H
 
 @triton.jit
 def _expert_rows(w_ptr, expert, cols, col_ok, k, H, I):
-    """Rows k of the down weight's columns `cols` for `expert` ([len(k), BLOCK_N]; zeros, nothing
-    read, where expert is -1)."""
-    return tl.load(w_ptr + tl.maximum(expert, 0) * H * I + cols[None, :].to(tl.int64) * I + k[:, None],
+    """Rows k of the down weight [E, I, H] at columns `cols` for `expert` ([len(k), BLOCK_N]; zeros,
+    nothing read, where expert is -1)."""
+    return tl.load(w_ptr + tl.maximum(expert, 0) * I * H + k[:, None].to(tl.int64) * H + cols[None, :],
                    mask=(expert >= 0) & (k[:, None] < I) & col_ok, other=0.0)
 
 
@@ -269,7 +288,7 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
         return
     ks = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + slots[:, None].to(tl.int64) * I
-    w_cols = w_ptr + expert * H * I + cols[None, :].to(tl.int64) * I
+    w_cols = w_ptr + expert * I * H + cols[None, :]
     if AHEAD:
         w_first = tl.where(seen != 0, w_first, _expert_rows(w_ptr, tl.where(seen != 0, -1, expert), cols, col_ok,
                                                              first, H, I))
@@ -278,7 +297,7 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, tile_slots_ptr, tile_expert_
     for k0 in range(AHEAD, I, BLOCK_K):
         k_ok = k0 + ks < I
         a = tl.load(h_rows + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+        w = tl.load(w_cols + (k0 + ks[:, None]).to(tl.int64) * H, mask=k_ok[:, None] & col_ok, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     weight = tl.load(weight_ptr + slots, mask=valid, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
@@ -302,7 +321,7 @@ def down_per_slot(hidden: torch.Tensor, down: torch.Tensor, weights: torch.Tenso
     slot_tiles): nonzero once the launch before has stored tile_expert, which it may still be
     running; each program then loads part of its weights before it waits for that launch."""
     S, I = hidden.shape
-    H = down.shape[1]
+    H = down.shape[2]
     per_slot = torch.empty(S, H, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(tile_expert.numel(), triton.cdiv(H, cfg.block_n))](
         hidden, down, weights.reshape(-1).contiguous(), per_slot, tile_slots, tile_expert,
@@ -315,7 +334,7 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
                             gate_up: torch.Tensor, down: torch.Tensor, distinct_ids: bool = False) -> torch.Tensor:
     """Loop over the experts the batch activates (its union); each reads its weights once.
 
-    x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H]; down [E, H, I]. A token routed twice to the
+    x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H]; down [E, I, H]. A token routed twice to the
     same expert gets both weights (policies may create duplicates). distinct_ids: the kernels' hint
     (`fused_experts_with_config`), which changes nothing here.
     """
@@ -324,7 +343,7 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
         token, slot = torch.where(ids == e)
         h = x[token]
         g, u = F.linear(h, gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, down[e]) * weights[token, slot, None]
+        y = (F.silu(g) * u) @ down[e] * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 
@@ -352,7 +371,7 @@ def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch
     launch = launch_options_moe(cfg, x)
     _gate_up_kernel[(G, triton.cdiv(I, cfg.block_n))](
         x.contiguous(), gate_up, hidden, tile_slots, tile_expert, S, H, I, TOP_K=K, SLOT_TILES=slot_tiles, **launch)
-    per_slot = down_per_slot(hidden, down, weights, tile_slots, tile_expert, cfg, slot_tiles)
+    per_slot = down_per_slot(hidden, down, weights, tile_slots, tile_expert, down_config(cfg), slot_tiles)
     # Slot results in x's dtype, summed per token (float32 accumulation inside the sum; no atomics,
     # so deterministic), here or by the caller's next launch.
     return per_slot.view(T, K, H).sum(dim=1) if sum_slots else per_slot.view(T, K, H)
@@ -362,7 +381,7 @@ def fused_experts_with_config(x: torch.Tensor, ids: torch.Tensor, weights: torch
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor) -> torch.Tensor:
     """Same contract as `fused_experts_reference`: x [T, H]; ids/weights [T, K]; gate_up [E, 2I, H];
-    down [E, H, I] (contiguous) -> [T, H]."""
+    down [E, I, H] (contiguous) -> [T, H]."""
     return fused_experts_with_config(x, ids, weights, gate_up, down)
 
 

@@ -42,7 +42,7 @@ def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.T
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, rms_norm(h + delta)): the residual stream and the next block's input. delta
     [T, N], or [T, K, N] whose K rows per token are summed first (a MoE layer's slot outputs)."""
-    h = h + sum_slots(delta)
+    h = h + sum_slots(delta).to(h.dtype)
     return h, rms_norm_reference(h, weight, eps)
 
 

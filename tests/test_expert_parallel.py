@@ -17,7 +17,7 @@ def test_shards_sum_to_the_whole_layer():
     g = torch.Generator().manual_seed(0)
     T, H, I, E, K = 9, 32, 16, 8, 3
     x = torch.randn(T, H, generator=g)
-    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, I, H, generator=g) * 0.1
     ids = torch.randint(0, E, (T, K), generator=g)
     ids[0, 1] = ids[0, 0]  # a duplicate slot, as a routing policy may make
     weights = torch.rand(T, K, generator=g)

@@ -1,6 +1,6 @@
-"""One token's MoE block with the router folded into the output projection (`folded_moe`, three
-launches) against its unfolded reference (CPU: Triton's interpreter, float32; GPU: bf16 at the
-30B shape, and in a CUDA graph), keeping the top-K, or, as OEA and truncation leave a lone token,
+"""One token's MoE block with the router folded into the output projection (`folded_moe`, two
+launches, or three with the down GEMM apart) against its unfolded reference (CPU: Triton's
+interpreter, float32; GPU: bf16 at the 30B shape, and in a CUDA graph), keeping the top-K, or, as OEA and truncation leave a lone token,
 its first experts, or re-routing its later slots as SERE does; and the reference against those
 policies."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _block(device, H, A, E, I, seed=0, spread=4.0):
     h, attn = rand(1, H), rand(1, A)
     o_weight, norm = rand(H, A, scale=A ** -0.5), (torch.rand(H, generator=g) + 0.5).to(device, dt)
     gate = rand(E, H, scale=spread * H ** -0.5)
-    gate_up, down = rand(E, 2 * I, H, scale=H ** -0.5), rand(E, H, I, scale=I ** -0.5)
+    gate_up, down = rand(E, 2 * I, H, scale=H ** -0.5), rand(E, I, H, scale=I ** -0.5)
     return (h, attn, o_weight, norm, gate) + fold_router(gate, norm, o_weight) + (gate_up, down)
 
 
@@ -43,6 +43,7 @@ def _assert_matches(got, want, device, args):
     folded_router.py); outputs are compared on the slots that agree."""
     tol = dict(rtol=1e-4, atol=1e-4) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
     h, per_slot, router_ids, ids, weights = got
+    per_slot = per_slot.to(want[1].dtype)  # float32 where the gate/up programs sum them (FUSED_DOWN)
     torch.testing.assert_close(h, want[0], **tol)
     same = (router_ids == want[2]) & (ids == want[3])
     if device == "cpu":
@@ -73,9 +74,11 @@ def test_folded_moe_matches_reference(device, H, A, E, I, K, normalize):
 @pytest.mark.parametrize("load_ahead", [0.0, 0.5, 1.0])
 def test_folded_moe_loads_any_share_of_its_rows_ahead(device, load_ahead, monkeypatch):
     """None, half (as committed) or all of the output projection's and router's rows over a loaded
-    ahead of the wait, and of the down GEMM's rows over an expert's width of 160 (two steps of the
-    loop and a short one: the loop goes on after the rows ahead)."""
+    ahead of the wait, and of the down GEMM's rows, as its own launch, over an expert's width of 160
+    (two steps of the loop and a short one: the loop goes on after the rows ahead)."""
     monkeypatch.setattr(dependent_launch, "load_ahead", load_ahead)
+    test_folded_moe_matches_reference(device, 64, 128, 16, 160, 4, True)
+    monkeypatch.setattr(folded_router, "FUSED_DOWN", False)
     test_folded_moe_matches_reference(device, 64, 128, 16, 160, 4, True)
 
 
@@ -95,6 +98,30 @@ def test_folded_moe_gate_up_programs_rank_block_wide(device, monkeypatch):
     off, as before session 51), which the other tests rank within each warp."""
     monkeypatch.setattr(folded_router, "RANK_IN_WARPS", False)
     test_folded_moe_matches_reference(device, 96, 80, 60, 48, 8, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused,down_n,down_ahead", [(True, 32, 0), (True, 128, 64), (False, 256, 0)])
+def test_folded_moe_runs_the_down_gemm_either_way(device, fused, down_n, down_ahead, monkeypatch):
+    """The down GEMM in the gate/up programs (FUSED_DOWN, the other tests: 256 rows a step), adding
+    into the slots' float32 sums, at other rows a step (H a multiple of them, or not) and rows loaded
+    before the gate/up loop; or as a launch of its own (FUSED_DOWN off). With the experts ranked within
+    each warp or block-wide, columns short of a tile, OEA's kept slots (weights renormalised or not, a
+    token that opted out) and SERE's moves, whose weights the gate/up programs work out themselves."""
+    monkeypatch.setattr(folded_router, "FUSED_DOWN", fused)
+    monkeypatch.setattr(folded_router, "DOWN_N", down_n)
+    monkeypatch.setattr(folded_router, "DOWN_AHEAD", down_ahead)
+    test_folded_moe_matches_reference(device, 64, 128, 16, 32, 4, True)
+    test_folded_moe_matches_reference(device, 96, 80, 60, 48, 8, False)
+    test_folded_moe_gate_up_programs_take_columns_short_of_their_tile(device, 12, monkeypatch)
+    test_folded_moe_gate_up_programs_rank_block_wide(device, monkeypatch)
+    for keep, keep_normalize, opt_out in [(2, True, None), (1, False, False), (3, True, True)]:
+        test_folded_moe_keeps_the_first_experts(device, keep, keep_normalize, opt_out)
+    test_folded_moe_reroutes_as_sere(device, 2, False)
+    if device == "cpu":
+        test_folded_moe_op_schema_and_fake()  # the fake's output dtype
+    else:
+        test_folded_moe_30b_shape_in_a_cuda_graph()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -192,7 +219,7 @@ def test_folded_moe_refuses_more_than_one_token():
 @pytest.mark.gpu
 def test_folded_moe_30b_shape_in_a_cuda_graph():
     """Qwen3-30B-A3B's block (H 2048, 32 x 128 heads, 128 experts of 768, top-8), captured once and
-    replayed with another token: the replay gives the new token's routing and outputs."""
+    replayed with another token, twice: the replays give the new token's routing and outputs."""
     args = list(_block("cuda", 2048, 4096, 128, 768, spread=8.0))
     static_h, static_attn = args[0].clone(), args[1].clone()
     torch.cuda.synchronize()
@@ -204,6 +231,7 @@ def test_folded_moe_30b_shape_in_a_cuda_graph():
     static_h.copy_(fresh[0])
     static_attn.copy_(fresh[1])
     graph.replay()
+    graph.replay()  # twice: nothing of the first replay left in the second (FUSED_DOWN's sums zeroed)
     want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 8, True, None, 1e-6)
     _assert_matches(out, want, "cuda", fresh)
 
@@ -228,10 +256,13 @@ def _top_k_ids_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, K_PAD: tl.constexp
 
 
 @triton.jit
-def _ranked_expert_kernel(logit_ptr, ids_ptr, E, K: tl.constexpr, E_PAD: tl.constexpr, PACKED: tl.constexpr,
-                          DTYPE: tl.constexpr, WARPS: tl.constexpr):
+def _ranked_expert_kernel(logit_ptr, ids_ptr, weights_ptr, kept, E, K: tl.constexpr, E_PAD: tl.constexpr,
+                          PACKED: tl.constexpr, DTYPE: tl.constexpr, WARPS: tl.constexpr):
     slot = tl.program_id(0)
-    tl.store(ids_ptr + slot, fold_routing.ranked_expert(logit_ptr, 1.0, slot, E, DTYPE, K, E_PAD, PACKED, WARPS))
+    expert, weight = fold_routing.ranked_expert(logit_ptr, 1.0, slot, kept, E, DTYPE, K, E_PAD, PACKED, WARPS,
+                                                True, True, True)
+    tl.store(ids_ptr + slot, expert)
+    tl.store(weights_ptr + slot, weight)
 
 
 def _ranked(logits: list[float]) -> list[int]:
@@ -244,7 +275,7 @@ def _ranked(logits: list[float]) -> list[int]:
 @pytest.mark.parametrize("packed", [False, True])
 def test_top_k_ids_rank_larger_logits_then_lower_ids(device, packed):
     """The routing program's top-K (K rounds of a max over one integer key an expert) and each gate/up
-    program's expert (`_ranked_expert`, the same rounds within each warp) against a sort,
+    program's expert (`ranked_expert`, the same rounds within each warp, with its weight) against a sort,
     on logits with many ties that are bfloat16 values (what PACKED keys assume, exactly): negative
     and positive, -0.0 beside +0.0, -inf, a NaN (ahead of all, as torch.topk has it), experts not a
     power of two. The ids are always distinct experts."""
@@ -262,8 +293,13 @@ def test_top_k_ids_rank_larger_logits_then_lower_ids(device, packed):
         ids = torch.empty(K, dtype=torch.int64, device=device)
         _top_k_ids_kernel[(1,)](logits, ids, E, K=K, K_PAD=8, E_PAD=128, PACKED=packed)
         assert ids.tolist() == _ranked(logits.tolist())[:K], case
-        for warps in (4, 8):  # each slot's expert as the GEMM programs rank it, warp by warp
+        for warps, kept in ((4, K), (8, 3)):  # each slot's expert as the GEMM programs rank it, warp by warp
             ids.fill_(-1)
-            _ranked_expert_kernel[(K,)](logits, ids, E, K=K, E_PAD=128, PACKED=packed,
+            weights = torch.empty(K, device=device)
+            _ranked_expert_kernel[(K,)](logits, ids, weights, kept, E, K=K, E_PAD=128, PACKED=packed,
                                         DTYPE=tl.bfloat16 if packed else tl.float32, WARPS=warps, num_warps=warps)
             assert ids.tolist() == _ranked(logits.tolist())[:K], (case, warps)
+            if not logits.isnan().any():  # the weights renormalised over the first `kept` slots
+                p = torch.softmax(logits.cpu(), 0)[ids.cpu()]
+                want = torch.where(torch.arange(K) < kept, p / p[:kept].sum(), 0.0)
+                torch.testing.assert_close(weights.cpu(), want, rtol=1e-5, atol=1e-7)

@@ -17,7 +17,7 @@ def _case(T, E, K, H, I, dtype=torch.float32, device="cpu", seed=0, duplicates=F
     x = torch.randn(T, H, generator=g)
     gate = torch.randn(E, H, generator=g) / H ** 0.5
     gate_up = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
-    down = torch.randn(E, H, I, generator=g) / I ** 0.5
+    down = torch.randn(E, I, H, generator=g) / I ** 0.5
     _, ids, weights = router_reference(x, gate, K, normalize=True)
     if duplicates:  # what SERE can produce: a secondary slot moved onto the token's own primary
         ids[::2, -1] = ids[::2, 0]

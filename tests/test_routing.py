@@ -61,7 +61,7 @@ def test_sere_with_k_prime_equal_k_and_opt_out_is_plain_topk():
 def test_duplicate_ids_add_their_weights():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 8, generator=g)
-    gate_up, down = torch.randn(E, 2 * 4, 8, generator=g), torch.randn(E, 8, 4, generator=g)
+    gate_up, down = torch.randn(E, 2 * 4, 8, generator=g), torch.randn(E, 4, 8, generator=g)
     dup = fused_experts_reference(x, torch.tensor([[1, 1], [2, 3]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]]),
                                   gate_up, down)
     one = fused_experts_reference(x, torch.tensor([[1, 2], [2, 3]]), torch.tensor([[1.0, 0.0], [0.5, 0.5]]),

@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-KERNELS = {"_qkv_norm_rope_kernel", "_partition_kernel", "_out_proj_logits_kernel", "_routed_gate_up_kernel",
-           "_down_kernel"}
+KERNELS = {"_qkv_norm_rope_kernel", "_partition_kernel", "_out_proj_logits_kernel", "_routed_gate_up_kernel"}
 
 
 def _report(tmp_path, *args: str) -> dict:
@@ -37,12 +36,13 @@ def test_every_kernel_of_the_batch_1_layer_compiles_for_sm_90(committed):
 
 
 def test_a_patch_changes_the_kernel_it_reaches(tmp_path, committed):
-    """No weights ahead of the wait: the down GEMM holds no rows across it (fewer registers); the
-    gate/up kernel, which `load_ahead` does not reach, compiles as before."""
-    ahead = {r["kernel"]: r for r in committed["rows"]}
-    none = {r["kernel"]: r for r in _report(tmp_path, "--patch", "dependent_launch.load_ahead=0.0")["rows"]}
-    assert none["_down_kernel"]["registers"] < ahead["_down_kernel"]["registers"]
-    assert none["_routed_gate_up_kernel"] == ahead["_routed_gate_up_kernel"]
+    """The down GEMM as its own launch (`folded_router.FUSED_DOWN` off): the layer launches it too, the
+    gate/up kernel is shorter, and the q/k/v kernel, which the knob does not reach, compiles as before."""
+    fused = {r["kernel"]: r for r in committed["rows"]}
+    apart = {r["kernel"]: r for r in _report(tmp_path, "--patch", "folded_router.FUSED_DOWN=false")["rows"]}
+    assert set(apart) == KERNELS | {"_down_kernel"}
+    assert apart["_routed_gate_up_kernel"]["instructions"] < fused["_routed_gate_up_kernel"]["instructions"]
+    assert apart["_qkv_norm_rope_kernel"] == fused["_qkv_norm_rope_kernel"]
 
 
 def test_the_fold_gate_up_programs_sit_two_a_multiprocessor(tmp_path, committed):

@@ -43,7 +43,7 @@ def materialised(x, layer):
     outs = []
     for p in range(E):
         gate, up = F.linear(x, layer.gate_up[p]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, layer.down[p]))
+        outs.append((F.silu(gate) * up) @ layer.down[p])
     return torch.stack(outs).double()
 
 

@@ -51,7 +51,7 @@ def experts_grouped_mm(x, ids, weights, gate_up, down):
     offs = counts.cumsum(0, dtype=torch.int32)
     tokens = order // K
     g, u = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+    y = torch._grouped_mm(F.silu(g) * u, down, offs=offs) * weights.reshape(-1)[order, None]
     return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y.float()).to(x.dtype)
 
 
@@ -62,7 +62,7 @@ def random_layers(copies: int, seed: int = 0):
     def randn(*shape, std):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * std
 
-    layers = [(randn(E, 2 * I, H, std=0.02), randn(E, H, I, std=0.02)) for _ in range(copies)]
+    layers = [(randn(E, 2 * I, H, std=0.02), randn(E, I, H, std=0.02)) for _ in range(copies)]
     return layers, randn(E, H, std=H ** -0.5).contiguous(), torch.randn(H, generator=g, device="cuda")
 
 

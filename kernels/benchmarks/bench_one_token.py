@@ -23,7 +23,7 @@ apart (two launches); the attention's keys a tile, its first tile loaded after i
 (`paged_attention.keys_ahead` off), and its merge four splits a round (`MERGE_AT_ONCE` 4); the
 whole step without PDL; none and all of the q/k/v, output projection and down GEMM programs'
 weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`); the down
-GEMM alone without; and SERE and OEA (`bench_kernels`' policies) with the router folded and apart.
+GEMM as its own launch (`folded_router.FUSED_DOWN` off), with and without its loads ahead; and SERE and OEA (`bench_kernels`' policies) with the router folded and apart.
 (Session 32 also timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of
 the input width: docs/PERFORMANCE.md.)
 """
@@ -107,7 +107,9 @@ def _variants() -> list[tuple[str, list, bool, RoutingPolicy]]:
         ("no PDL", [], False, topk),
         ("no weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 0.0)], True, topk),
         ("all weights loaded ahead of the wait", [(dependent_launch, "load_ahead", 1.0)], True, topk),
-        ("down GEMM without loads ahead", [(folded_router, "down_per_slot", _down_not_ahead)], True, topk),
+        ("down GEMM its own launch", [(folded_router, "FUSED_DOWN", False)], True, topk),
+        ("down GEMM its own launch without loads ahead",
+         [(folded_router, "FUSED_DOWN", False), (folded_router, "down_per_slot", _down_not_ahead)], True, topk),
         ("sere K'=2 rho=0, folded", [], True, sere),
         ("sere K'=2 rho=0, router apart", apart, True, sere),
         ("oea k0=2, folded", [], True, oea),

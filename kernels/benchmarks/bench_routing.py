@@ -66,7 +66,7 @@ def synthetic_30b(device: torch.device, steps: int, seed: int = 0, layers: int =
     gates, directions, sims, protects = [], [], [], []
     for _ in tqdm(range(layers), desc="random 30B-shaped layers, calibrating"):
         gate = randn(experts, hidden, std=hidden ** -0.5)
-        gate_up, down = randn(experts, 2 * width, hidden, std=0.02), randn(experts, hidden, width, std=0.02)
+        gate_up, down = randn(experts, 2 * width, hidden, std=0.02), randn(experts, width, hidden, std=0.02)
         direction = torch.randn(hidden, generator=g, device=device)
         x = (direction + torch.randn(calib_tokens, hidden, generator=g, device=device)).to(torch.bfloat16)
         sim = similarity(gram_matrix(x, gate_up, down, 256, 16), "frobenius")

@@ -2,7 +2,7 @@
 contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
-        [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,ahead]
+        [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,fused_down,ahead]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -25,7 +25,7 @@ expert union throughout.
   (`qkv_norm_rope.QKV_MAX_T`) up to 16 tokens, against cuBLAS's GEMM and `qk_norm_rope_cache`.
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
   (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
-  them the down GEMM without its loads ahead (result files before session 48 also time the experts'
+  them the down GEMM as its own launch without its loads ahead (result files before session 48 also time the experts'
   K tile at 256, now committed).
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES, both K tiles), the q/k/v launch's splits, warps and
@@ -34,14 +34,17 @@ expert union throughout.
   (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4, 8) with half or all of their weights loaded ahead (the
   `columns` and `tiles` sets timed 2 and 8 rows before session 44: their result files name them).
 - top_k (batch 1, the same contexts): the fold's gate/up K tile (`folded_router.FOLD_GATE_UP_BLOCK_K`,
-  which keeps its programs at two a multiprocessor), beside the down GEMM's K tile (`FOLD_DOWN_BLOCK_K`)
-  and 32 columns (the result files of session 45 also time the top-K it replaced, ranks in one [E, E]
+  which keeps its programs at two a multiprocessor), beside 32 columns (the result files of session 45 also time the top-K it replaced, ranks in one [E, E]
   pass, then a knob), and the gate/up programs' ranking block-wide as before session 51
   (`folded_router.RANK_IN_WARPS`).
-- down (batch 1, the same contexts): the fold's down GEMM alone at other tiles (its K tile, stages and
-  columns, which set how many of its programs fit beside the gate/up's before that launch ends).
-- ahead (batch 1, the same contexts): the share of the down GEMM's and the output projection's
-  weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
+- fused_down (batch 1, the same contexts): the down GEMM in the gate/up programs (committed), against
+  its own launch (`folded_router.FUSED_DOWN` off), 128 rows a step of its loop (`DOWN_N`), 256 rows
+  loaded before the gate/up loop (`DOWN_AHEAD`) and 32 columns a program.
+- down (batch 1, the same contexts): the fold's down GEMM as its own launch (`FUSED_DOWN` off) at other
+  tiles (its K tile, stages and columns, which set how many of its programs fit beside the gate/up's
+  before that launch ends; result files before session 52 read the down weight as [E, H, I]).
+- ahead (batch 1, the same contexts): the share of the down GEMM's (as its own launch) and the output
+  projection's weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
@@ -64,16 +67,21 @@ BATCH_1 = ((1, 256), (1, 4096))
 def _experts(block_n: int, block_k: int, warps: int, stages: int) -> list:
     """The fold's expert GEMMs, gate/up and down, at this tile shape (block_m 16: one token's slots)."""
     return [(folded_router, "pick_config", lambda *args: MoeConfig(16, block_n, block_k, warps, stages)),
-            (folded_router, "FOLD_STAGES", stages), (folded_router, "FOLD_GATE_UP_BLOCK_K", block_k),
-            (folded_router, "FOLD_DOWN_BLOCK_K", block_k)]
+            (folded_router, "FOLD_STAGES", stages), (folded_router, "FOLD_GATE_UP_BLOCK_K", block_k)]
+
+
+def _unfused(*patches) -> list:
+    """The fold's down GEMM as a launch of its own (`folded_router.FUSED_DOWN` off), with patches."""
+    return [(folded_router, "FUSED_DOWN", False), *patches]
 
 
 def _down(**tile) -> list:
-    """The fold's down GEMM at its committed config with `tile`'s fields changed; its gate/up as committed."""
+    """The fold's down GEMM as its own launch at its config (`fused_moe.down_config`) with `tile`'s fields
+    changed; its gate/up as committed."""
     def down_per_slot(hidden, down, weights, tile_slots, tile_expert, cfg, slot_tiles, ready=None):
         return fused_moe.down_per_slot(hidden, down, weights, tile_slots, tile_expert,
                                        dataclasses.replace(cfg, **tile), slot_tiles, ready)
-    return [(folded_router, "down_per_slot", down_per_slot)]
+    return _unfused((folded_router, "down_per_slot", down_per_slot))
 
 
 def _ahead(width: int | None = None, share: float = 1.0):
@@ -124,7 +132,7 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("committed (gate/up 24 columns a program, 256 programs)", []),
             ("gate/up 32 columns a program (192 programs, before)", [(folded_router, "FOLD_COLUMNS", 0)]),
             ("gate/up 48 columns a program (128 programs)", [(folded_router, "FOLD_COLUMNS", 48)]),
-            ("down GEMM without loads ahead", [(fused_moe, "ahead_width", _ahead(0))]),
+            ("down GEMM its own launch, no loads ahead", _unfused((fused_moe, "ahead_width", _ahead(0)))),
             ("committed again", []),
         ]),
         "tiles": (BATCH_1, [
@@ -155,25 +163,32 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
         "top_k": (BATCH_1, [
             ("committed (gate/up K tile 256)", []),
             ("gate/up K tile 128 (the config's)", [(folded_router, "FOLD_GATE_UP_BLOCK_K", 0)]),
-            ("down K tile 128 (before session 48)", [(folded_router, "FOLD_DOWN_BLOCK_K", 0)]),
             ("gate/up K tile 256, 32 columns", [(folded_router, "FOLD_COLUMNS", 32)]),
             ("gate/up programs ranking block-wide (before session 51)", [(folded_router, "RANK_IN_WARPS", False)]),
             ("committed again", []),
         ]),
+        "fused_down": (BATCH_1, [
+            ("committed (the down GEMM in the gate/up programs, 256 rows a step)", []),
+            ("the down GEMM its own launch (before session 52)", [(folded_router, "FUSED_DOWN", False)]),
+            ("128 rows a step", [(folded_router, "DOWN_N", 128)]),
+            ("256 rows a step, 256 before the gate/up loop", [(folded_router, "DOWN_AHEAD", 256)]),
+            ("256 rows a step, 32 columns", [(folded_router, "FOLD_COLUMNS", 32)]),
+            ("committed again", []),
+        ]),
         "down": (BATCH_1, [
-            ("committed (down 16x32x256, 3 stages: 48 kB, 512 programs)", []),
-            ("down K tile 128 (before session 48)", _down(block_k=128)),
-            ("down K tile 64", _down(block_k=64)),
+            ("committed (the down GEMM in the gate/up programs)", []),
+            ("its own launch (down 16x128x64, 3 stages, 128 programs)", _down()),
+            ("its own launch, K tile 32", _down(block_k=32)),
             ("down 2 stages", _down(num_stages=2)),
             ("down 4 stages", _down(num_stages=4)),
             ("down 64 columns (256 programs)", _down(block_n=64)),
-            ("down 16 columns (1,024 programs)", _down(block_n=16)),
+            ("down 256 columns (64 programs)", _down(block_n=256)),
             ("committed again", []),
         ]),
         "ahead": (BATCH_1, [
             ("committed", []),
-            ("down GEMM 512 of 768 rows ahead", [(fused_moe, "ahead_width", _ahead(512))]),
-            ("down GEMM one step (128 rows) ahead", [(fused_moe, "ahead_width", _ahead(128))]),
+            ("down GEMM its own launch, 512 of 768 rows ahead", _unfused((fused_moe, "ahead_width", _ahead(512)))),
+            ("down GEMM its own launch, one step (64 rows) ahead", _unfused((fused_moe, "ahead_width", _ahead(64)))),
             ("output projection a quarter ahead", [(folded_router, "ahead_width", _ahead(share=0.5))]),
             ("output projection all ahead", [(folded_router, "ahead_width", _ahead(share=2.0))]),
             ("committed again", []),

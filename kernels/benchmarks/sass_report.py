@@ -93,7 +93,7 @@ def _step_launches() -> list:
                                                torch.tensor([256], dtype=torch.int32), BLOCK, D ** -0.5)
         folded_router.folded_moe(h, torch.empty(1, A, **bf16), torch.empty(H, A, **bf16), torch.empty(H, **bf16),
                                  torch.empty(E, H, **bf16), torch.empty(E, H, **bf16), torch.empty(E, A, **bf16),
-                                 torch.empty(E, 2 * I, H, **bf16), torch.empty(E, H, I, **bf16), TOP_K, True, TOP_K,
+                                 torch.empty(E, 2 * I, H, **bf16), torch.empty(E, I, H, **bf16), TOP_K, True, TOP_K,
                                  True, None, 1e-6)
     return launches
 

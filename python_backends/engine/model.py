@@ -127,7 +127,9 @@ class Layer:
             self.gate_r, self.gate_o = (folded_router.fold_router(self.gate, self.post_norm, self.o) if foldable
                                         else (None, None))
             self.gate_up = experts("mlp.experts.gate_up_proj", (E, 2 * I, H))
-            self.down = experts("mlp.experts.down_proj", (E, H, I))
+            # [E, I, H]: each expert's down projection as input rows, so that one token's gate/up programs read
+            # whole rows of it (`folded_router.FUSED_DOWN`); transposed on the device, a layer at a time.
+            self.down = experts("mlp.experts.down_proj", (E, H, I)).transpose(1, 2).contiguous()
         else:
             self.mlp_gate = w("mlp.gate_proj.weight")
             self.mlp_up = w("mlp.up_proj.weight")
@@ -237,7 +239,7 @@ class Qwen3VLMoeTextDecoder:
                                     kv.v[nxt.idx], step.slots, eps, cfg.num_heads, cfg.num_kv_heads)
         if inject is None:  # the last layer: the residual add (and the slot sum) with the final norm
             return ops.add_rms_norm(h, out, self.norm, eps)[1], None
-        h = inject(h + layer_ops.sum_slots(out))
+        h = inject(h + layer_ops.sum_slots(out).to(h.dtype))  # out: float32 sums from the fold's FUSED_DOWN
         if nxt is None:
             return ops.rms_norm(h, self.norm, eps), None
         return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
