@@ -31,9 +31,10 @@ it: so at most two launches overlap, and only the one just before can still be w
   batch-1 step on an H100, one run (session 37, graph replay): 3,269 / 3,273 us against 3,375
   with none ahead and 3,628 with all (registers and bandwidth taken from the launch before for
   the whole of its run).
-- The fold's down GEMM: the gate/up launch's routing program stores the experts early, then
-  raises a ready flag (which the output projection's launch lowered), and the down GEMM's
-  programs, waiting for it a bounded while, load half their experts' rows before their wait
+- The fold's down GEMM as its own launch (`folded_router.FUSED_DOWN` off; on, the gate/up programs
+  run it): the gate/up launch's routing program stores the experts early, then raises a ready flag
+  (which the output projection's launch lowered), and the down GEMM's programs, waiting for it a
+  bounded while, load half their experts' rows before their wait
   (`fused_moe.down_per_slot`'s ready): the batch-1 step 2.2 % faster in its first run, 6.7 %
   with the fold's GEMMs at 3 stages (session 38, `bench_one_token`).
 - The residual stream r in the folded output projection (`folded_router`: the rows' r, the

@@ -25,10 +25,11 @@ itself. So:
 
 A routing policy that leaves a lone token its first n experts (OEA: alone, a token's top-k0 is the
 whole union; truncation) is served too, in the same launches: the slots from n on get weight 0 and
-no gate/up program, so their rows stay zero and no expert is read for them. So is SERE: alone, a token's first K' experts are its batch's primary
-set, and each later slot may move to the most similar of them (`fold_routing.sere_moves`, from the
-layer's similarity row and protection); a moved slot runs its primary's GEMMs again, at about the
-time the primary's own programs read those weights. The routing's pieces: `fold_routing.py`.
+no gate/up program, so their rows stay zero and no expert is read for them. So is SERE: alone, a
+token's first K' experts are its batch's primary set, and each later slot may move to the most
+similar of them (`fold_routing.sere_moves`, from the layer's similarity row and protection); a moved
+slot runs its primary's GEMMs again, at about the time the primary's own programs read those
+weights. The routing's pieces: `fold_routing.py`.
 
 The logits differ from the reference's by rounding only: the reference rounds W_o a, h and x to
 the model's dtype before the router's GEMM, the fold rounds its folded rows once. Both then round
@@ -44,8 +45,8 @@ import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
 from .fold_routing import ranked_expert, routed_ids, routing_weights, store_routing
-from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step, launch_options_moe,
-                        pick_config, silu_mul, store_silu_mul)
+from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step,
+                        launch_options_moe, pick_config, silu_mul, store_silu_mul)
 from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
                    gemv_rows_from)
 from .layer_ops import inverse_rms, weighted
@@ -91,13 +92,15 @@ FOLD_GATE_UP_BLOCK_K = 256
 RANK_IN_WARPS = True
 # Each gate/up program runs its own share of its slot's down GEMM (`_down_into_slot`): its COLUMNS of
 # SiLU(gate) * up never leave its registers, the down GEMM is no launch of its own, and the slots'
-# outputs are float32 sums of the programs' atomics (their order, so their last bits, free). It reads
-# its columns' rows of the [E, I, H] down weight whole; off (the down GEMM's own launch,
-# `fused_moe.down_per_slot`), the batch-1 step was about 75 us slower at 256- and 4,096-token contexts,
-# and with the [E, H, I] weight before session 52 (64-byte pieces of its rows) 95 us faster than the
-# fused path (H100, session 52, bench_step_knobs' "fused_down" set). DOWN_N: the down rows a step of
-# that loop takes (128: 56 us slower than 256); DOWN_AHEAD (0 or a power of two): rows loaded before
-# the gate/up loop (256: 44 us slower than none).
+# outputs are float32 sums of the programs' atomics (their order, so their last bits, free; plain
+# stores in their place were no faster). It reads its columns' rows of the [E, I, H] down weight whole:
+# the batch-1 top-K step 73 us faster (2.6 %) than the three launches of before session 52, graph
+# replay at a 256-token context (H100, decode bench, the same copy bandwidth); with the down GEMM as
+# its own launch on the [E, I, H] weight, 150-156 us at 256 tokens and 177-181 at 4,096 (the
+# "fused_down" knob set). With the [E, H, I] weight, where each program read 48-byte pieces of the
+# down rows, the fused path was 80-95 us slower than the three launches. DOWN_N: the down rows a step
+# of that loop takes (128: 72-78 us slower than 256); DOWN_AHEAD (0 or a power of two): rows loaded
+# before the gate/up loop (256: 52-58 us slower than none).
 FUSED_DOWN = True
 DOWN_N = 256
 DOWN_AHEAD = 0
@@ -315,8 +318,9 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float,
                similarity: torch.Tensor | None = None, protect: torch.Tensor | None = None, primary_k: int = 0,
                threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`folded_moe_reference`'s contract for one token in two launches (three without FUSED_DOWN), the dropped slots' experts
-    not read. gate, the unfolded router, is not read: gate_r and gate_o are its fold."""
+    """`folded_moe_reference`'s contract for one token in two launches (three without FUSED_DOWN), the
+    dropped slots' experts not read; the slots' outputs float32 with FUSED_DOWN, else in h's dtype. gate,
+    the unfolded router, is not read: gate_r and gate_o are its fold."""
     H, A = o_weight.shape
     E, two_i, _ = gate_up.shape
     I = two_i // 2
@@ -353,12 +357,14 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                                  block_k=FOLD_GATE_UP_BLOCK_K or cfg.block_k)
     _routed_gate_up_kernel[(1 + top_k * triton.cdiv(I, columns),)](
         h_out, y, logits, logits if opt_out is None else opt_out, gate_up, hidden, down, hidden, router_ids, ids,
-        weights, tiles, ready, similarity.contiguous() if sere else logits, protect.contiguous() if sere else logits, float(threshold),
-        H, I, E, eps, K=top_k, KEEP=keep, SERE=sere, K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E),
-        K_PAD=triton.next_power_of_2(top_k), H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize,
-        KEEP_NORMALIZE=keep_normalize, HAS_OPT_OUT=opt_out is not None, COLUMNS=columns,
-        PACKED=h.dtype == torch.bfloat16, RANK_IN_WARPS=RANK_IN_WARPS, WARPS=up_cfg.num_warps,
-        FUSED_DOWN=FUSED_DOWN, DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N, **launch_options_moe(up_cfg, h))
+        weights, tiles, ready, similarity.contiguous() if sere else logits,
+        protect.contiguous() if sere else logits, float(threshold), H, I, E, eps, K=top_k, KEEP=keep, SERE=sere,
+        K1=primary_k if sere else 1, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k),
+        H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize, KEEP_NORMALIZE=keep_normalize,
+        HAS_OPT_OUT=opt_out is not None, COLUMNS=columns, PACKED=h.dtype == torch.bfloat16,
+        RANK_IN_WARPS=RANK_IN_WARPS, WARPS=up_cfg.num_warps, FUSED_DOWN=FUSED_DOWN,
+        DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N,
+        **launch_options_moe(up_cfg, h))
     if FUSED_DOWN:
         return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
     # Each slot a tile (under SERE a moved slot reads its primary's down rows again).

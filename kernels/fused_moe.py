@@ -52,8 +52,8 @@ ALIGN_MAX_SLOTS = 8192
 # The down weight is [E, I, H] (`engine/model.py` transposes the checkpoint's [E, H, I] at load), so
 # that one decode token's gate/up programs read their share of it as whole rows (`folded_router`'s
 # FUSED_DOWN). The down GEMM's tile then spans BLOCK_N columns of H: at the tuned 32 (64-byte pieces
-# of each row) the batch-16 and 64 steps were 11-15 % slower; at 128 x 64 (columns x rows) they read
-# the union's weights as fast as the [E, H, I] GEMM at its tuned tiles (H100, session 52).
+# of each row) the batch-16 and 64 steps were 11-15 % slower than with the [E, H, I] weight; at
+# 128 x 64 (columns x rows) they are within 0.5 % of it, pipelined (H100, session 52, decode bench).
 DOWN_BLOCK_N, DOWN_BLOCK_K = 128, 64
 
 

@@ -1,8 +1,8 @@
 """One token's MoE block with the router folded into the output projection (`folded_moe`, two
 launches, or three with the down GEMM apart) against its unfolded reference (CPU: Triton's
-interpreter, float32; GPU: bf16 at the 30B shape, and in a CUDA graph), keeping the top-K, or, as OEA and truncation leave a lone token,
-its first experts, or re-routing its later slots as SERE does; and the reference against those
-policies."""
+interpreter, float32; GPU: bf16 at the 30B shape, and in a CUDA graph), keeping the top-K, or, as
+OEA and truncation leave a lone token, its first experts, or re-routing its later slots as SERE
+does; and the reference against those policies."""
 from __future__ import annotations
 
 import pytest

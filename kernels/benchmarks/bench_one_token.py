@@ -23,7 +23,8 @@ apart (two launches); the attention's keys a tile, its first tile loaded after i
 (`paged_attention.keys_ahead` off), and its merge four splits a round (`MERGE_AT_ONCE` 4); the
 whole step without PDL; none and all of the q/k/v, output projection and down GEMM programs'
 weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`); the down
-GEMM as its own launch (`folded_router.FUSED_DOWN` off), with and without its loads ahead; and SERE and OEA (`bench_kernels`' policies) with the router folded and apart.
+GEMM as its own launch (`folded_router.FUSED_DOWN` off), with and without its loads ahead; and
+SERE and OEA (`bench_kernels`' policies) with the router folded and apart.
 (Session 32 also timed the GEMV's rows a program and the q/k/v kernel's and the router's splits of
 the input width: docs/PERFORMANCE.md.)
 """

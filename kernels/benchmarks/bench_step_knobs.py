@@ -34,8 +34,9 @@ expert union throughout.
   (`folded_router.OUT_PROJ_ROWS`: 1, 2, 4, 8) with half or all of their weights loaded ahead (the
   `columns` and `tiles` sets timed 2 and 8 rows before session 44: their result files name them).
 - top_k (batch 1, the same contexts): the fold's gate/up K tile (`folded_router.FOLD_GATE_UP_BLOCK_K`,
-  which keeps its programs at two a multiprocessor), beside 32 columns (the result files of session 45 also time the top-K it replaced, ranks in one [E, E]
-  pass, then a knob), and the gate/up programs' ranking block-wide as before session 51
+  which keeps its programs at two a multiprocessor), beside 32 columns (the result files of session
+  45 also time the top-K it replaced, ranks in one [E, E] pass, then a knob; those before session 52
+  the down GEMM's K tile), and the gate/up programs' ranking block-wide as before session 51
   (`folded_router.RANK_IN_WARPS`).
 - fused_down (batch 1, the same contexts): the down GEMM in the gate/up programs (committed), against
   its own launch (`folded_router.FUSED_DOWN` off), 128 rows a step of its loop (`DOWN_N`), 256 rows
