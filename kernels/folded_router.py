@@ -200,10 +200,10 @@ def _rows_times_attention(attn_ptr, w_ptr, n, N, A: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr, down_ptr, acc_ptr, router_ids_ptr,
                            ids_ptr, weights_ptr, tiles_ptr, ready_ptr, sim_ptr, protect_ptr, threshold, H, I, E, eps,
-                           K: tl.constexpr,
-                           KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr, E_PAD: tl.constexpr,
-                           K_PAD: tl.constexpr, H_PAD: tl.constexpr, ROUTER_NORMALIZE: tl.constexpr,
-                           KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr, COLUMNS: tl.constexpr,
+                           K: tl.constexpr, KEEP: tl.constexpr, SERE: tl.constexpr, K1: tl.constexpr,
+                           E_PAD: tl.constexpr, K_PAD: tl.constexpr, H_PAD: tl.constexpr,
+                           ROUTER_NORMALIZE: tl.constexpr, KEEP_NORMALIZE: tl.constexpr, HAS_OPT_OUT: tl.constexpr,
+                           COLUMNS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                            PACKED: tl.constexpr, RANK_IN_WARPS: tl.constexpr, WARPS: tl.constexpr,
                            FUSED_DOWN: tl.constexpr, DOWN_AHEAD: tl.constexpr, DOWN_N: tl.constexpr,
@@ -240,8 +240,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                                                     opt_out_ptr, SERE, K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
         weights = routing_weights(logit, chosen, kept, K, K_PAD, ROUTER_NORMALIZE, KEEP_NORMALIZE)
         store_routing(router_ids, ids, weights, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD)
-        # The down GEMM's programs, launched behind this one, wait for ready to load their experts'
-        # weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
+        # With FUSED_DOWN off, the down GEMM's programs, launched behind this one, wait for ready to load
+        # their experts' weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:

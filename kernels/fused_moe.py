@@ -17,9 +17,9 @@ beside it, a loop over the experts the batch activates, is what the engine runs 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -25,8 +25,8 @@ expert union throughout.
   (`qkv_norm_rope.QKV_MAX_T`) up to 16 tokens, against cuBLAS's GEMM and `qk_norm_rope_cache`.
 - columns (batch 1, contexts 256 and 4,096): the gate/up columns a program of the fold takes
   (`folded_router.FOLD_COLUMNS`), spreading the launch evenly over the multiprocessors; beside
-  them the down GEMM as its own launch without its loads ahead (result files before session 48 also time the experts'
-  K tile at 256, now committed).
+  them the down GEMM as its own launch without its loads ahead (result files before session 48 also
+  time the experts' K tile at 256, now committed).
 - tiles (batch 1, contexts 256 and 4,096): the fold's expert GEMM tiles and stages
   (`folded_router.pick_config`, FOLD_STAGES, both K tiles), the q/k/v launch's splits, warps and
   stages.
