@@ -169,8 +169,9 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
         r = tl.load(res_ptr + n, mask=n < H, other=0.0)  # before the wait (above)
         g = tl.load(norm_ptr + n, mask=n < H, other=0.0)
         o = _rows_times_attention(attn_ptr, o_ptr, n, H, A, BLOCK_N, BLOCK_K, AHEAD, PDL)
-        if pid == 0:  # lowered before the gate/up launch's routing program can raise it
-            tl.store(ready_ptr, 0)
+        if ZERO_SLOTS == 0:  # the down GEMM its own launch: ready lowered before the routing program raises it
+            if pid == 0:
+                tl.store(ready_ptr, 0)
         h = (r.to(tl.float32) + o.to(r.dtype).to(tl.float32)).to(r.dtype)
         tl.store(h_out_ptr + n, h, mask=n < H)
         tl.store(y_ptr + n, weighted(h, g), mask=n < H)
@@ -240,10 +241,10 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                                                     opt_out_ptr, SERE, K, K_PAD, K1, E_PAD, HAS_OPT_OUT, PACKED)
         weights = routing_weights(logit, chosen, kept, K, K_PAD, ROUTER_NORMALIZE, KEEP_NORMALIZE)
         store_routing(router_ids, ids, weights, kept, router_ids_ptr, ids_ptr, weights_ptr, tiles_ptr, K, K_PAD)
-        # With FUSED_DOWN off, the down GEMM's programs, launched behind this one, wait for ready to load
-        # their experts' weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
-        tl.debug_barrier()
-        tl.atomic_xchg(ready_ptr, 1, sem="release")
+        if not FUSED_DOWN:  # the down GEMM's programs, launched behind this one, wait for ready to load
+            # their experts' weights ahead (`fused_moe.down_per_slot`): raised once every thread's stores are out.
+            tl.debug_barrier()
+            tl.atomic_xchg(ready_ptr, 1, sem="release")
     else:
         if SERE or not RANK_IN_WARPS:  # every slot's id (SERE: for the moves)
             logit, _, chosen, ids = routed_ids(logits_ptr, inv, E, dtype, sim_ptr, protect_ptr, threshold,
@@ -339,7 +340,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     h, attn = h.contiguous(), attn.contiguous()
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
-    ready = torch.empty(1, dtype=torch.int32, device=h.device)  # the routing stored (lowered, then raised)
+    ready = torch.empty(1, dtype=torch.int32, device=h.device)  # FUSED_DOWN off: the routing stored (lowered, raised)
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     # FUSED_DOWN: the slots' outputs are summed into here by the gate/up launch (zeroed by the first).
     per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None

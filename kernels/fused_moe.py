@@ -2,7 +2,7 @@
 
 A decode step is memory-bound: what costs is reading each activated expert's weights, so the
 kernels read every expert of the batch's union exactly once per call and nothing else big.
-Slots (token, rank) are grouped by expert into tiles of BLOCK_M rows (`moe_align`); a program
+Slots (token, rank) are grouped by expert into tiles of BLOCK_M rows (`moe_align.py`); a program
 owns one (tile, column tile) pair and streams its expert's weights through registers.
 
 Everything has a fixed shape given (tokens, top_k, experts): the tile count is bounded by
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
+from .moe_align import moe_align
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -45,10 +46,6 @@ class MoeConfig:
 # Tuned tile shapes per device and expert shape, written by
 # `python -m zipmoe.kernels.benchmarks.bench_kernels --sweep` (as vLLM keeps its fused-MoE configs).
 TUNED_CONFIGS = Path(__file__).with_name("fused_moe_configs.json")
-# The aligner (a program per expert, each over the whole slot list) handles up to this many slots:
-# a decode batch of 128 x top-8 is 1,024, a 1,024-token prefill chunk 8,192. Above it the reference
-# runs: about fifteen launches and a sort, whose host cost an eager prefill step pays every layer.
-ALIGN_MAX_SLOTS = 8192
 # The down weight is [E, I, H] (`engine/model.py` transposes the checkpoint's [E, H, I] at load), so
 # that one decode token's gate/up programs read their share of it as whole rows (`folded_router`'s
 # FUSED_DOWN). The down GEMM's tile then spans BLOCK_N columns of H: at the tuned 32 (64-byte pieces
@@ -89,91 +86,6 @@ def pick_config(num_tokens: int, num_experts: int, hidden: int, width: int, elem
         return MoeConfig(64, 128, 64 // (elem_bytes // 2), 8, 3)
     block_m = min(max(16, triton.next_power_of_2(num_tokens)), 64)
     return MoeConfig(block_m, 64, 128 // (elem_bytes // 2), 4 if block_m <= 32 else 8, 3)
-
-
-def num_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on tiles: each used expert wastes less than one tile of padding."""
-    return min(num_experts, num_slots) + triton.cdiv(num_slots, block_m)
-
-
-def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T, K] -> (tile_slots int32 [G * block_m], tile_expert int32 [G]).
-
-    Tiles hold the slots (t * K + k) of one expert in ascending order, padded with S (= T*K);
-    experts in ascending order; unused tiles have expert -1. Device ops only, no host sync.
-    """
-    flat = ids.reshape(-1)
-    S = flat.numel()
-    G = num_tiles(S, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = tiles.cumsum(0)
-    tile_expert = torch.searchsorted(tile_end, torch.arange(G, device=ids.device), right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    order = torch.argsort(flat, stable=True)
-    by_expert = flat[order]
-    rank = torch.arange(S, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
-    dest = (tile_end - tiles)[by_expert] * block_m + rank
-    tile_slots = torch.full((G * block_m,), S, dtype=torch.int32, device=ids.device)
-    tile_slots[dest] = order.to(torch.int32)
-    return tile_slots, tile_expert
-
-
-@triton.jit
-def _align_kernel(ids_ptr, tile_slots_ptr, tile_expert_ptr, S, E, G,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, S_PAD: tl.constexpr, T_PAD: tl.constexpr,
-                  G_PAD: tl.constexpr, PAD_CHUNK: tl.constexpr, PDL: tl.constexpr):
-    # One program per expert, each reading the whole slot list (S is at most a few thousand ids, one
-    # vector): a histogram gives every expert's count, hence this expert's first tile; a prefix sum of
-    # "slot is mine" gives each of its slots' rank. No program waits on another, so the step costs one
-    # short pass instead of a serial walk over the slots (a single program over 64-slot chunks took
-    # 35 us at 64 tokens and 65 us at 128 on the H200, 13 % of a batch-64 decode step).
-    wait_for_inputs(PDL)
-    e = tl.program_id(0)
-    slot = tl.arange(0, S_PAD)
-    ids = tl.load(ids_ptr + slot, mask=slot < S, other=E).to(tl.int32)  # padding lanes land in bin E
-    experts = tl.arange(0, E_PAD)
-    counts = tl.where(experts < E, tl.histogram(ids, E_PAD), 0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, axis=0)
-    mine = experts == e
-    my_tiles = tl.sum(tl.where(mine, tiles, 0))
-    my_count = tl.sum(tl.where(mine, counts, 0))
-    first = tl.sum(tl.where(mine, tile_end, 0)) - my_tiles
-    hit = ids == e
-    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
-    tl.store(tile_slots_ptr + first * BLOCK_M + rank, slot, mask=hit)
-    lane = tl.arange(0, BLOCK_M)  # only this expert's last tile has padding: its lanes past the count
-    last = (my_tiles - 1) * BLOCK_M + lane
-    tl.store(tile_slots_ptr + first * BLOCK_M + last, tl.full([BLOCK_M], 0, tl.int32) + S,
-             mask=(my_tiles > 0) & (last >= my_count))
-    t = tl.arange(0, T_PAD)
-    tl.store(tile_expert_ptr + first + t, tl.full([T_PAD], 0, tl.int32) + e, mask=t < my_tiles)
-    if e == 0:  # the tiles after the last expert's are unused: expert -1, slots all padding
-        used = tl.sum(tiles)
-        g = used + tl.arange(0, G_PAD)
-        tl.store(tile_expert_ptr + g, tl.full([G_PAD], -1, tl.int32), mask=g < G)
-        chunk = tl.arange(0, PAD_CHUNK)
-        for p0 in range(used * BLOCK_M, G * BLOCK_M, PAD_CHUNK):
-            tl.store(tile_slots_ptr + p0 + chunk, tl.full([PAD_CHUNK], 0, tl.int32) + S,
-                     mask=p0 + chunk < G * BLOCK_M)
-
-
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same result as `moe_align_reference`; one launch for decode-sized batches."""
-    S = ids.numel()
-    if S > ALIGN_MAX_SLOTS:
-        return moe_align_reference(ids, num_experts, block_m)
-    G = num_tiles(S, num_experts, block_m)
-    tile_slots = torch.empty(G * block_m, dtype=torch.int32, device=ids.device)
-    tile_expert = torch.empty(G, dtype=torch.int32, device=ids.device)
-    _align_kernel[(num_experts,)](ids.reshape(-1), tile_slots, tile_expert, S, num_experts, G,
-                                 BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1),
-                                 S_PAD=triton.next_power_of_2(S), T_PAD=triton.next_power_of_2(triton.cdiv(S, block_m)),
-                                 G_PAD=triton.next_power_of_2(G), PAD_CHUNK=256, num_warps=4 if S <= 1024 else 16,
-                                 **launch_options(ids.device))
-    return tile_slots, tile_expert
 
 
 @triton.jit

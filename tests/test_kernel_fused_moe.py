@@ -6,8 +6,8 @@ import torch
 
 from zipmoe.kernels.layer_ops import router_reference
 from zipmoe.kernels.fused_moe import (MoeConfig, down_per_slot, pick_config, fused_experts, fused_experts_per_slot,
-                                      fused_experts_reference, fused_experts_with_config, moe_align,
-                                      moe_align_reference, num_tiles)
+                                      fused_experts_reference, fused_experts_with_config)
+from zipmoe.kernels.moe_align import moe_align, moe_align_reference, num_tiles
 
 SMALL = MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from zipmoe.kernels.layer_ops import router_reference
-from zipmoe.kernels import fused_moe
+from zipmoe.kernels import fused_moe, moe_align
 from zipmoe.kernels.fused_moe import MoeConfig, fused_experts, fused_experts_reference, fused_experts_with_config
 
 from .bench_kernels import CFG, print_row, row
@@ -94,7 +94,7 @@ def bench_moe(copies: int = 4) -> list[dict]:
         # The align step alone (what the layer spends before its first GEMM), at the tile height
         # the layer picked for this batch: its share of the graphed layer time is item 3's measure.
         block_m = fused_moe.pick_config(B, CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size, 2).block_m
-        us = graph_time_us(lambda: fused_moe.moe_align(ids, CFG.num_experts, block_m), calls=48)
+        us = graph_time_us(lambda: moe_align.moe_align(ids, CFG.num_experts, block_m), calls=48)
         rows.append(row("moe_align", "triton_graph", B, us, 0, "topk", union, block_m=block_m))
         print_row(rows[-1])
         # Uniform routing, the other end from skewed: the largest union and the fewest rows per expert.
