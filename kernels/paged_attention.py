@@ -53,10 +53,13 @@ from .dependent_launch import launch_options, wait_for_inputs
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
-# Programs one launch aims for (about 8 per SM of an H200): B x kv heads x splits, splits at most
-# MAX_SPLITS (the last program merges them, MERGE_AT_ONCE a round). At the 30B shape (4 kv heads): 16 splits
-# up to B=16, 4 at B=64, 1 from B=256 on.
-TARGET_PROGRAMS = 1024
+# Programs one launch aims for: B x kv heads x splits, splits at most MAX_SPLITS (the last program
+# merges them, MERGE_AT_ONCE a round). At the 30B shape (4 kv heads): 16 splits up to B=8, 8 at B=16,
+# 2 at B=64, 1 from B=128 on. 512, where 1,024 were aimed for before session 53 (16 splits at B=16, 4
+# at B=64, taken from the attention alone): the decode step 0.2-2.3 % faster at batch 16 and 1.1-3.6 %
+# at 64, over contexts of 256 to 2,048 tokens (graph replay on an H100, bench_step_knobs'
+# "splits_large" set); 2,048 slower, and batches up to 8 keep their 16 splits.
+TARGET_PROGRAMS = 512
 MAX_SPLITS = 16
 # Splits the last program merges a round (`_merge_split`), their partials' loads in flight together.
 MERGE_AT_ONCE = 4
@@ -64,7 +67,7 @@ MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival cou
 # Each program loads its first tile of keys and values, all but the newest key, before its PDL
 # wait (`_partition_kernel`), where the launch has at most KEYS_AHEAD_PER_SM programs per
 # multiprocessor (an H100 holds two of them, by their registers; at the 30B shape batch 1 has 64
-# programs, 4 has 256, 16 and 64 have 1,024); the benchmarks set it off (bench_one_token,
+# programs, 4 has 256, 16 and 64 have 512); the benchmarks set it off (bench_one_token,
 # bench_step_knobs).
 keys_ahead = True
 KEYS_AHEAD_PER_SM = 2

@@ -2,7 +2,8 @@
 contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
-        [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,fused_down,ahead]
+        [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,fused_down,ahead,refit,
+         splits_large]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -46,6 +47,13 @@ expert union throughout.
   before that launch ends; result files before session 52 read the down weight as [E, H, I]).
 - ahead (batch 1, the same contexts): the share of the down GEMM's (as its own launch) and the output
   projection's weights loaded ahead of their wait (half is committed, `dependent_launch.load_ahead`).
+- splits_large (batches 16 and 64, contexts of 256 to 2,048 tokens): the attention's splits at the
+  batches where its programs fill the GPU (`paged_attention.TARGET_PROGRAMS`: 256, 512, 1,024;
+  MAX_SPLITS 2, 4; the result file of session 53's first run has 1, 2 and 4 splits and 512 and 2,048
+  programs against 1,024).
+- refit (batch 1, the same contexts): the knobs the down GEMM in the gate/up programs (session 52) may
+  have moved: the fold's stages, the q/k/v launch's and the output projection's weights loaded ahead,
+  the projection's rows a program, the q/k/v splits, the down rows a step and the merge's round.
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
@@ -192,6 +200,28 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("down GEMM its own launch, one step (64 rows) ahead", _unfused((fused_moe, "ahead_width", _ahead(64)))),
             ("output projection a quarter ahead", [(folded_router, "ahead_width", _ahead(share=0.5))]),
             ("output projection all ahead", [(folded_router, "ahead_width", _ahead(share=2.0))]),
+            ("committed again", []),
+        ]),
+        "splits_large": (((16, 256), (16, 2048), (64, 256), (64, 1024)), [
+            ("committed (512 programs, at most 16 splits)", []),
+            ("attention 1,024 programs (before session 53)", [(paged_attention, "TARGET_PROGRAMS", 1024)]),
+            ("attention 256 programs", [(paged_attention, "TARGET_PROGRAMS", 256)]),
+            *[(f"attention at most {n} splits", [(paged_attention, "MAX_SPLITS", n)]) for n in (2, 4)],
+            ("committed again", []),
+        ]),
+        "refit": (BATCH_1, [
+            ("committed", []),
+            ("fold 2 stages", [(folded_router, "FOLD_STAGES", 2)]),
+            ("fold 4 stages", [(folded_router, "FOLD_STAGES", 4)]),
+            ("q/k/v none ahead", [(qkv_norm_rope, "ahead_width", _ahead(0))]),
+            ("q/k/v all ahead", [(qkv_norm_rope, "ahead_width", _ahead(256))]),
+            ("output projection a quarter ahead", [(folded_router, "ahead_width", _ahead(share=0.5))]),
+            ("output projection all ahead", [(folded_router, "ahead_width", _ahead(share=2.0))]),
+            ("output projection 2 rows", [(folded_router, "OUT_PROJ_ROWS", 2)]),
+            ("q/k/v 4 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 4)]),
+            ("q/k/v 16 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 16)]),
+            ("down 512 rows a step", [(folded_router, "DOWN_N", 512)]),
+            ("merge 8 splits a round", [(paged_attention, "MERGE_AT_ONCE", 8)]),
             ("committed again", []),
         ]),
     }
