@@ -34,7 +34,7 @@ Why it is shaped this way:
   session 38: docs/PERFORMANCE.md). After the wait a program asks for that key and value and for
   q at once, their slot looked up before it (session 39: three waits on L2 there were one).
   Only where the launch's programs are all resident at once (KEYS_AHEAD_PER_SM): a program that
-  holds its keys across the wait holds its multiprocessor too, and at batches 16 and 64 (1,024
+  holds its keys across the wait holds its multiprocessor too, and at batches 16 and 64 (then 1,024
   programs) the step was 1-4 % faster with the keys loaded after the wait (session 42, H100).
 - The last program of a split context merges the splits MERGE_AT_ONCE a round, loading their
   partials together: four a round made the batch-1 step 1.3 % faster at a 4,096-token context (16

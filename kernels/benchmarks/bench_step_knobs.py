@@ -53,7 +53,9 @@ expert union throughout.
   programs against 1,024).
 - refit (batch 1, the same contexts): the knobs the down GEMM in the gate/up programs (session 52) may
   have moved: the fold's stages, the q/k/v launch's and the output projection's weights loaded ahead,
-  the projection's rows a program, the q/k/v splits, the down rows a step and the merge's round.
+  the projection's rows a program, the q/k/v splits, the down rows a step and the merge's round (the
+  result file of session 53 also times the slots' outputs summed into one float32 row, a knob since
+  removed).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
