@@ -340,7 +340,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     h, attn = h.contiguous(), attn.contiguous()
     h_out, y = torch.empty_like(h), torch.empty_like(h)
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
-    ready = torch.empty(1, dtype=torch.int32, device=h.device)  # FUSED_DOWN off: the routing stored (lowered, raised)
+    # FUSED_DOWN off: the routing stored (lowered, then raised); on, no kernel touches it (logits stand in).
+    ready = logits if FUSED_DOWN else torch.empty(1, dtype=torch.int32, device=h.device)
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     # FUSED_DOWN: the slots' outputs are summed into here by the gate/up launch (zeroed by the first).
     per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None
