@@ -18,7 +18,7 @@ itself. So:
 2. `_routed_gate_up_kernel`: every program takes h's RMS and the top-K of the scaled logits itself
    (4 kB and 512 B from L2), finds its slot's expert and weight, runs the gate and up GEMMs on y
    (their sums times 1 / RMS) for its columns, then those columns' share of the down GEMM, times
-   the weight, added into its slot's float32 row (`_down_into_slot`); one program more stores the
+   the weight, added into its slot's float32 row (`fold_experts`); one program more stores the
    ids and weights. The next layer's q/k/v launch sums the slots with its residual add. (FUSED_DOWN
    off: the gate/up programs store their columns and a third launch, `fused_moe.down_per_slot`, runs
    the down GEMM.)
@@ -44,11 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
+from .fold_experts import down_columns, down_into_slot, gate_up_then_down
 from .fold_routing import ranked_expert, routed_ids, routing_weights, store_routing
 from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step,
                         launch_options_moe, pick_config, silu_mul, store_silu_mul)
 from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
                    gemv_rows_from)
+from .l2_prefetch import OFF, prefetch_rows, usable
 from .layer_ops import inverse_rms, weighted
 from .router import add_norm_router_reference
 from .sere_reroute import sere_reroute_reference
@@ -90,7 +92,7 @@ FOLD_GATE_UP_BLOCK_K = 256
 # 3-4 us faster at a 256-token context in two runs, 1 and 25 us at 4,096 (H100, session 51,
 # bench_step_knobs' "top_k" set): under 1 %.
 RANK_IN_WARPS = True
-# Each gate/up program runs its own share of its slot's down GEMM (`_down_into_slot`): its COLUMNS of
+# Each gate/up program runs its own share of its slot's down GEMM (`fold_experts`): its COLUMNS of
 # SiLU(gate) * up never leave its registers, the down GEMM is no launch of its own, and the slots'
 # outputs are float32 sums of the programs' atomics (their order, so their last bits, free; plain
 # stores in their place were no faster). It reads its columns' rows of the [E, I, H] down weight whole:
@@ -104,6 +106,12 @@ RANK_IN_WARPS = True
 FUSED_DOWN = True
 DOWN_N = 256
 DOWN_AHEAD = 0
+# What the output projection's programs ask L2 for before their wait, of the next layer's q/k/v weight
+# (`l2_prefetch`: OFF, NORMAL or EVICT_LAST).
+PREFETCH_NEXT_QKV = OFF
+# FUSED_DOWN: the gate/up and down GEMMs' steps in one loop (`fold_experts.gate_up_then_down`), so that
+# the down rows are asked for while the last gate/up rows are summed (DOWN_N rows a step, none ahead).
+DOWN_IN_LOOP = False
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,9 +152,10 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 
 @triton.jit
 def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr,
-                            logits_ptr, ready_ptr, acc_ptr, H, E, A: tl.constexpr, HK: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
-                            ZERO_SLOTS: tl.constexpr, PDL: tl.constexpr):
+                            logits_ptr, ready_ptr, acc_ptr, pf_ptr, pf_rows, pf_row_elems, pf_row_bytes, H, E,
+                            A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            AHEAD: tl.constexpr, ZERO_SLOTS: tl.constexpr, PF_ROWS: tl.constexpr,
+                            PF_LANES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
     # add round, and of y = g * h, the experts' input before the norm's 1 / RMS (a scalar the gate/up
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
@@ -162,7 +171,10 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     # ZERO_SLOTS (FUSED_DOWN): the rows' columns of the slots' sums acc [ZERO_SLOTS, H] zeroed, after
     # the wait (the memory may be a buffer the launches before still read), for the gate/up launch's
     # atomics.
+    # PREFETCH: the program's PF_ROWS rows of the next layer's q/k/v weight asked of L2 (`l2_prefetch`).
     pid = tl.program_id(0)
+    if PREFETCH:
+        prefetch_rows(pf_ptr, pid * PF_ROWS, pf_rows, pf_row_elems, pf_row_bytes, PF_ROWS, PF_LANES, PREFETCH)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -208,7 +220,7 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                            PACKED: tl.constexpr, RANK_IN_WARPS: tl.constexpr, WARPS: tl.constexpr,
                            FUSED_DOWN: tl.constexpr, DOWN_AHEAD: tl.constexpr, DOWN_N: tl.constexpr,
-                           PDL: tl.constexpr):
+                           DOWN_IN_LOOP: tl.constexpr, PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
     # `slot` (`ranked_expert`: K rounds of a max within each warp, as this is on the path to the
@@ -261,56 +273,27 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
         col_real = (tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I)
         col_ok = col_real[None, :]
+        if DOWN_IN_LOOP:  # FUSED_DOWN, the gate/up and down steps in one loop (`fold_experts`)
+            gate_up_then_down(y_ptr, w_ptr, down_ptr, acc_ptr, expert, slot, weight.to(dtype).to(tl.float32), inv,
+                              cols, col_real, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N, PRECISION)
+            return
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
         w_gate, w_up = gate_up_pointers(w_ptr, expert, cols, H, I)
         w_down = 0
         if DOWN_AHEAD:  # the down GEMM's first rows (FUSED_DOWN), held through the gate/up loop
-            w_down = _down_columns(down_ptr, expert, cols, col_real, 0, H, I, DOWN_AHEAD)
+            w_down = down_columns(down_ptr, expert, cols, col_real, 0, H, I, DOWN_AHEAD)
         for k0 in range(0, H, BLOCK_K):
             a = tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :],
                         mask=(m[:, None] == 0) & (k0 + ks < H)[None, :], other=0.0)  # the tile's one real row
             acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
         if FUSED_DOWN:
-            _down_into_slot(silu_mul(acc_g * inv, acc_u * inv).to(dtype), w_down, down_ptr, acc_ptr, expert, slot,
-                            weight.to(dtype).to(tl.float32), cols, col_real, H, I, BLOCK_M, DOWN_AHEAD, DOWN_N,
-                            PRECISION)
+            down_into_slot(silu_mul(acc_g * inv, acc_u * inv).to(dtype), w_down, down_ptr, acc_ptr, expert, slot,
+                           weight.to(dtype).to(tl.float32), cols, col_real, H, I, BLOCK_M, DOWN_AHEAD, DOWN_N,
+                           PRECISION)
         else:
             store_silu_mul(out_ptr, tl.where(m == 0, slot, 0), cols, m == 0, col_ok, acc_g * inv, acc_u * inv, I)
-
-
-@triton.jit
-def _down_columns(down_ptr, expert, cols, col_real, n0, H, I, ROWS: tl.constexpr):
-    """Rows [n0, n0 + ROWS) of the expert's down weight at columns `cols`, as [BLOCK_N, ROWS]."""
-    n = n0 + tl.arange(0, ROWS)
-    return tl.load(down_ptr + expert * I * H + cols[:, None].to(tl.int64) * H + n[None, :],
-                   mask=col_real[:, None] & (n < H)[None, :], other=0.0)
-
-
-@triton.jit
-def _slot_rows_add(act, w, acc_ptr, slot, weight, n0, H, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Rows [n0, n0 + ROWS) of act's row 0 times w, times the weight, added into the slot's row of acc."""
-    n = n0 + tl.arange(0, ROWS)
-    out = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, tl.dot(act, w, input_precision=PRECISION), 0.0), axis=0)
-    tl.atomic_add(acc_ptr + slot * H + n, out * weight, mask=n < H, sem="relaxed")
-
-
-@triton.jit
-def _down_into_slot(act, w_down, down_ptr, acc_ptr, expert, slot, weight, cols, col_real, H, I, BLOCK_M: tl.constexpr,
-                    DOWN_AHEAD: tl.constexpr, DOWN_N: tl.constexpr, PRECISION: tl.constexpr):
-    """FUSED_DOWN: this program's share of its slot's down GEMM, act [BLOCK_M, BLOCK_N] (row 0 the
-    token's SiLU(gate) * up at `cols`, rounded as the hidden rows are stored) times the expert's down
-    columns `cols` (w_down: its first DOWN_AHEAD rows, loaded before the gate/up loop), times the
-    slot's weight, added (float32 atomics) into the slot's row of acc [K, H], which the output
-    projection's launch zeroed. The slot's I / COLUMNS programs add into each element in no fixed
-    order, so the sum's last bits may differ between runs."""
-    if DOWN_AHEAD:
-        _slot_rows_add(act, w_down, acc_ptr, slot, weight, 0, H, BLOCK_M, DOWN_AHEAD, PRECISION)
-    for n0 in range(DOWN_AHEAD, H, DOWN_N):
-        w = _down_columns(down_ptr, expert, cols, col_real, n0, H, I, DOWN_N)
-        _slot_rows_add(act, w, acc_ptr, slot, weight, n0, H, BLOCK_M, DOWN_N, PRECISION)
 
 
 @torch.library.custom_op("zipmoe::folded_moe", mutates_args=())
@@ -318,7 +301,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                gate_r: torch.Tensor, gate_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float,
                similarity: torch.Tensor | None = None, protect: torch.Tensor | None = None, primary_k: int = 0,
-               threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               threshold: float = 0.0, prefetch: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`folded_moe_reference`'s contract for one token in two launches (three without FUSED_DOWN), the
     dropped slots' experts not read; the slots' outputs float32 with FUSED_DOWN, else in h's dtype. gate,
     the unfolded router, is not read: gate_r and gate_o are its fold."""
@@ -345,10 +329,16 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     # FUSED_DOWN: the slots' outputs are summed into here by the gate/up launch (zeroed by the first).
     per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None
-    _out_proj_logits_kernel[(triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS),)](
+    programs = triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS)
+    # Each program asks for at most one row a thread.
+    asks = PREFETCH_NEXT_QKV if usable(prefetch) and prefetch.shape[0] <= 32 * GEMV_WARPS * programs else OFF
+    pf = prefetch if asks else logits
+    _out_proj_logits_kernel[(programs,)](
         attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,
-        H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS, BLOCK_K=block_k, AHEAD=ahead_width(A, block_k),
-        ZERO_SLOTS=top_k if FUSED_DOWN else 0, num_warps=GEMV_WARPS, **launch_options(h.device))
+        pf, pf.shape[0], pf.shape[-1], pf.shape[-1] * pf.element_size(), H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS,
+        BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), ZERO_SLOTS=top_k if FUSED_DOWN else 0,
+        PF_ROWS=triton.cdiv(pf.shape[0], programs), PF_LANES=32 * GEMV_WARPS, PREFETCH=asks, num_warps=GEMV_WARPS,
+        **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, FOLD_STAGES))
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
@@ -365,7 +355,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize, KEEP_NORMALIZE=keep_normalize,
         HAS_OPT_OUT=opt_out is not None, COLUMNS=columns, PACKED=h.dtype == torch.bfloat16,
         RANK_IN_WARPS=RANK_IN_WARPS, WARPS=up_cfg.num_warps, FUSED_DOWN=FUSED_DOWN,
-        DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N,
+        DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N, DOWN_IN_LOOP=FUSED_DOWN and DOWN_IN_LOOP,
         **launch_options_moe(up_cfg, h))
     if FUSED_DOWN:
         return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
@@ -377,7 +367,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
 
 @folded_moe.register_fake
 def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, keep, keep_normalize, opt_out,
-      eps, similarity=None, protect=None, primary_k=0, threshold=0.0):
+      eps, similarity=None, protect=None, primary_k=0, threshold=0.0, prefetch=None):
     ids = h.new_empty(1, top_k, dtype=torch.int64)
     per_slot = h.new_empty(1, top_k, h.shape[1], dtype=torch.float32 if FUSED_DOWN else h.dtype)
     return torch.empty_like(h), per_slot, ids, torch.empty_like(ids), h.new_empty(1, top_k)
