@@ -331,7 +331,8 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None
     programs = triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS)
     # Each program asks for at most one row a thread.
-    asks = PREFETCH_NEXT_QKV if usable(prefetch) and prefetch.shape[0] <= 32 * GEMV_WARPS * programs else OFF
+    asks = (PREFETCH_NEXT_QKV if PREFETCH_NEXT_QKV and usable(prefetch)
+            and prefetch.shape[0] <= 32 * GEMV_WARPS * programs else OFF)
     pf = prefetch if asks else logits
     _out_proj_logits_kernel[(programs,)](
         attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,

@@ -41,7 +41,7 @@ def prefetch_rows(w_ptr, first, rows, row_elems, row_bytes, ROWS: tl.constexpr, 
     ask = ((lane < ROWS) & (row < rows)).to(tl.int32)
     at = w_ptr + tl.where(ask != 0, row, first).to(tl.int64) * row_elems
     size = tl.full([LANES], 0, tl.int32) + row_bytes
-    if MODE == 2:
+    if MODE == 2:  # EVICT_LAST
         tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
             "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
@@ -59,8 +59,12 @@ def usable(weight: torch.Tensor | None) -> bool:
     if weight is None or weight.device.type != "cuda" or not weight.is_contiguous() or weight.dim() != 2:
         return False
     row_bytes = weight.shape[1] * weight.element_size()
-    return (row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(weight.device)[0] >= 9)
+    return row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 and _capability(weight.device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,8 +73,8 @@ def _driver() -> ctypes.CDLL:
 
 
 def set_aside_l2(nbytes: int) -> int:
-    """Sets aside up to nbytes of the current device's L2 for persisting lines (those asked for with
-    EVICT_LAST), then returns what the driver set (it rounds, and caps at the device's maximum)."""
+    """Sets aside nbytes of the current device's L2 for persisting lines (those asked for with
+    EVICT_LAST), at most the device's maximum, and returns what the driver set (it may round)."""
     torch.zeros(1, device="cuda")  # the primary context current on this thread
     driver, device, most = _driver(), ctypes.c_int(), ctypes.c_int()
     driver.cuCtxGetDevice(ctypes.byref(device))
