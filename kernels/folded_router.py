@@ -107,10 +107,11 @@ FUSED_DOWN = True
 DOWN_N = 256
 DOWN_AHEAD = 0
 # What the output projection's programs ask L2 for before their wait, of the next layer's q/k/v weight
-# (`l2_prefetch`: OFF, NORMAL or EVICT_LAST).
+# (`l2_prefetch`: OFF, NORMAL or EVICT_LAST). FUSED_DOWN: the gate/up and down GEMMs' steps in one loop
+# (`fold_experts.gate_up_then_down`), so that the down rows are asked for while the last gate/up rows
+# are summed (DOWN_N rows a step, none ahead). Both off until timed on a GPU (bench_step_knobs'
+# "idle_memory" set; written in session 56, when no device machine ran).
 PREFETCH_NEXT_QKV = OFF
-# FUSED_DOWN: the gate/up and down GEMMs' steps in one loop (`fold_experts.gate_up_then_down`), so that
-# the down rows are asked for while the last gate/up rows are summed (DOWN_N rows a step, none ahead).
 DOWN_IN_LOOP = False
 
 

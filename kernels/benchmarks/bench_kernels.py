@@ -48,9 +48,8 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels import l2_prefetch
+from zipmoe.kernels import dependent_launch, l2_prefetch
 from zipmoe.kernels.layer_ops import qk_norm_rope_cache, topk_softmax
-from zipmoe.kernels import dependent_launch
 from zipmoe.kernels.qkv_norm_rope import fused_qkv_norm_rope_cache
 from zipmoe.kernels.router import fused_router
 from zipmoe.kernels.sere_reroute import launch_sere, sere_reroute, sere_reroute_reference
