@@ -91,14 +91,16 @@ def enabled_as(enabled: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _supported(device: torch.device) -> bool:  # cached: an eager prefill step launches thousands of kernels
+def hopper_or_later(device: torch.device) -> bool:  # cached: an eager prefill step launches thousands of kernels
+    """A CUDA device of compute capability 9.0 or later, outside Triton's interpreter (PDL; also the
+    bulk copy engine that `l2_prefetch` asks)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def launch_options(device: torch.device) -> dict:
     """The keywords a kernel launch adds: `PDL` (the kernel's constexpr) and `launch_pdl`."""
-    return {"PDL": True, "launch_pdl": True} if _enabled and _supported(torch.device(device)) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if _enabled and hopper_or_later(torch.device(device)) else {"PDL": False}
 
 
 def ahead_width(width: int, step: int) -> int:

@@ -14,10 +14,19 @@ the output projection's launch zeroed the rows). Two ways to run it:
 """
 from __future__ import annotations
 
-from .fused_moe import gate_up_pointers, silu_mul
+from .fused_moe import gate_up_pointers, gate_up_step, silu_mul
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
+
+
+@triton.jit
+def token_tile(y_ptr, k0, ks, H, BLOCK_M: tl.constexpr):
+    """The token's inputs y[k0 + ks] (those below H) as row 0 of a [BLOCK_M, len(ks)] tile, tl.dot's
+    fewest rows; the other rows are zeros."""
+    m = tl.arange(0, BLOCK_M)
+    return tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :], mask=(m[:, None] == 0) & (k0 + ks < H)[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -61,7 +70,6 @@ def gate_up_then_down(y_ptr, w_ptr, down_ptr, acc_ptr, expert, slot, weight, inv
     gate/up steps, then cdiv(H, DOWN_N) down steps. Every step asks for both kinds of tile, the kind
     that is not its own masked off (no memory read), so that each load has one use and Triton's
     pipeliner copies it ahead into shared memory."""
-    m = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     col_ok = col_real[None, :]
     dtype = y_ptr.dtype.element_ty
@@ -70,16 +78,12 @@ def gate_up_then_down(y_ptr, w_ptr, down_ptr, acc_ptr, expert, slot, weight, inv
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up_steps = tl.cdiv(H, BLOCK_K)
     for step in range(0, up_steps + tl.cdiv(H, DOWN_N)):
-        up = step < up_steps
+        down = step >= up_steps
         k0 = step * BLOCK_K  # the gate/up step's input columns k0 + ks
         n0 = (step - up_steps) * DOWN_N  # the down step's output rows n0 + [0, DOWN_N)
-        k_ok = (k0 + ks < H) & up
-        a = tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :], mask=(m[:, None] == 0) & k_ok[None, :],
-                    other=0.0)  # the tile's one real row
-        g = tl.load(w_gate + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
-        u = tl.load(w_up + k0 + ks[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
-        d = down_columns(down_ptr, expert, cols, col_real & (step >= up_steps), n0, H, I, DOWN_N)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        up_width = tl.where(down, 0, H)  # no input column of a down step is read
+        d = down_columns(down_ptr, expert, cols, col_real & down, n0, H, I, DOWN_N)
+        acc_g, acc_u = gate_up_step(token_tile(y_ptr, k0, ks, up_width, BLOCK_M), w_gate, w_up, k0, ks, up_width,
+                                    col_ok, acc_g, acc_u, PRECISION)
         act = silu_mul(acc_g * inv, acc_u * inv).to(dtype)  # final once the gate/up steps are done
-        slot_rows_add(act, d, acc_ptr, slot, weight, n0, H, step >= up_steps, BLOCK_M, DOWN_N, PRECISION)
+        slot_rows_add(act, d, acc_ptr, slot, weight, n0, H, down, BLOCK_M, DOWN_N, PRECISION)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
-from .fold_experts import down_columns, down_into_slot, gate_up_then_down
+from .fold_experts import down_columns, down_into_slot, gate_up_then_down, token_tile
 from .fold_routing import ranked_expert, routed_ids, routing_weights, store_routing
 from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step,
                         launch_options_moe, pick_config, silu_mul, store_silu_mul)
@@ -153,7 +153,7 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 
 @triton.jit
 def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr,
-                            logits_ptr, ready_ptr, acc_ptr, pf_ptr, pf_rows, pf_row_elems, pf_row_bytes, H, E,
+                            logits_ptr, ready_ptr, acc_ptr, pf_ptr, pf_rows, pf_row_elems, H, E,
                             A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             AHEAD: tl.constexpr, ZERO_SLOTS: tl.constexpr, PF_ROWS: tl.constexpr,
                             PF_LANES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
@@ -175,7 +175,7 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     # PREFETCH: the program's PF_ROWS rows of the next layer's q/k/v weight asked of L2 (`l2_prefetch`).
     pid = tl.program_id(0)
     if PREFETCH:
-        prefetch_rows(pf_ptr, pid * PF_ROWS, pf_rows, pf_row_elems, pf_row_bytes, PF_ROWS, PF_LANES, PREFETCH)
+        prefetch_rows(pf_ptr, pid * PF_ROWS, pf_rows, pf_row_elems, PF_ROWS, PF_LANES, PREFETCH)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,9 +286,8 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         if DOWN_AHEAD:  # the down GEMM's first rows (FUSED_DOWN), held through the gate/up loop
             w_down = down_columns(down_ptr, expert, cols, col_real, 0, H, I, DOWN_AHEAD)
         for k0 in range(0, H, BLOCK_K):
-            a = tl.load(y_ptr + m[:, None] * 0 + k0 + ks[None, :],
-                        mask=(m[:, None] == 0) & (k0 + ks < H)[None, :], other=0.0)  # the tile's one real row
-            acc_g, acc_u = gate_up_step(a, w_gate, w_up, k0, ks, H, col_ok, acc_g, acc_u, PRECISION)
+            acc_g, acc_u = gate_up_step(token_tile(y_ptr, k0, ks, H, BLOCK_M), w_gate, w_up, k0, ks, H, col_ok, acc_g,
+                                        acc_u, PRECISION)
         if FUSED_DOWN:
             down_into_slot(silu_mul(acc_g * inv, acc_u * inv).to(dtype), w_down, down_ptr, acc_ptr, expert, slot,
                            weight.to(dtype).to(tl.float32), cols, col_real, H, I, BLOCK_M, DOWN_AHEAD, DOWN_N,
@@ -337,7 +336,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     pf = prefetch if asks else logits
     _out_proj_logits_kernel[(programs,)](
         attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,
-        pf, pf.shape[0], pf.shape[-1], pf.shape[-1] * pf.element_size(), H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS,
+        pf, pf.shape[0], pf.shape[-1], H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS,
         BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), ZERO_SLOTS=top_k if FUSED_DOWN else 0,
         PF_ROWS=triton.cdiv(pf.shape[0], programs), PF_LANES=32 * GEMV_WARPS, PREFETCH=asks, num_warps=GEMV_WARPS,
         **launch_options(h.device))

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from .dependent_launch import hopper_or_later
+
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
 
@@ -31,16 +33,15 @@ _CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
 
 
 @triton.jit
-def prefetch_rows(w_ptr, first, rows, row_elems, row_bytes, ROWS: tl.constexpr, LANES: tl.constexpr,
-                  MODE: tl.constexpr):
-    """Rows [first, first + ROWS) of w (at most `rows`), `row_elems` elements and `row_bytes` bytes
-    (a multiple of 16) each, asked of L2, one row a thread; LANES is the program's thread count, so
-    each row is asked for once."""
+def prefetch_rows(w_ptr, first, rows, row_elems, ROWS: tl.constexpr, LANES: tl.constexpr, MODE: tl.constexpr):
+    """Rows [first, first + ROWS) of w (at most `rows`), `row_elems` elements each (whole multiples of
+    16 bytes), asked of L2, one row a thread; LANES is the program's thread count, so each row is
+    asked for once."""
     lane = tl.arange(0, LANES)
     row = first + lane
     ask = ((lane < ROWS) & (row < rows)).to(tl.int32)
     at = w_ptr + tl.where(ask != 0, row, first).to(tl.int64) * row_elems
-    size = tl.full([LANES], 0, tl.int32) + row_bytes
+    size = tl.full([LANES], 0, tl.int32) + row_elems * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
     if MODE == 2:  # EVICT_LAST
         tl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
@@ -59,12 +60,7 @@ def usable(weight: torch.Tensor | None) -> bool:
     if weight is None or weight.device.type != "cuda" or not weight.is_contiguous() or weight.dim() != 2:
         return False
     row_bytes = weight.shape[1] * weight.element_size()
-    return row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 and _capability(weight.device)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 and hopper_or_later(weight.device)
 
 
 @functools.lru_cache(maxsize=None)
