@@ -92,8 +92,7 @@ def enabled_as(enabled: bool):
 
 @functools.lru_cache(maxsize=None)
 def hopper_or_later(device: torch.device) -> bool:  # cached: an eager prefill step launches thousands of kernels
-    """A CUDA device of compute capability 9.0 or later, outside Triton's interpreter (PDL; also the
-    bulk copy engine that `l2_prefetch` asks)."""
+    """A CUDA device of compute capability 9.0 or later, outside Triton's interpreter (PDL)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 

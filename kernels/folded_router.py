@@ -44,13 +44,12 @@ import torch
 import torch.nn.functional as F
 
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
-from .fold_experts import down_columns, down_into_slot, gate_up_then_down, token_tile
+from .fold_experts import down_columns, down_into_slot, token_tile
 from .fold_routing import ranked_expert, routed_ids, routing_weights, store_routing
 from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step,
                         launch_options_moe, pick_config, silu_mul, store_silu_mul)
 from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
                    gemv_rows_from)
-from .l2_prefetch import OFF, prefetch_rows, usable
 from .layer_ops import inverse_rms, weighted
 from .router import add_norm_router_reference
 from .sere_reroute import sere_reroute_reference
@@ -106,13 +105,6 @@ RANK_IN_WARPS = True
 FUSED_DOWN = True
 DOWN_N = 256
 DOWN_AHEAD = 0
-# What the output projection's programs ask L2 for before their wait, of the next layer's q/k/v weight
-# (`l2_prefetch`: OFF, NORMAL or EVICT_LAST). FUSED_DOWN: the gate/up and down GEMMs' steps in one loop
-# (`fold_experts.gate_up_then_down`), so that the down rows are asked for while the last gate/up rows
-# are summed (DOWN_N rows a step, none ahead). Both off until timed on a GPU (bench_step_knobs'
-# "idle_memory" set; written in session 56, when no device machine ran).
-PREFETCH_NEXT_QKV = OFF
-DOWN_IN_LOOP = False
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,10 +145,9 @@ def folded_moe_reference(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up,
 
 @triton.jit
 def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate_o_ptr, h_out_ptr, y_ptr,
-                            logits_ptr, ready_ptr, acc_ptr, pf_ptr, pf_rows, pf_row_elems, H, E,
-                            A: tl.constexpr, HK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            AHEAD: tl.constexpr, ZERO_SLOTS: tl.constexpr, PF_ROWS: tl.constexpr,
-                            PF_LANES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                            logits_ptr, ready_ptr, acc_ptr, H, E, A: tl.constexpr, HK: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+                            ZERO_SLOTS: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, cdiv(H, BLOCK_N)): rows of h = r + W_o a, each rounded as `gemv` then the residual
     # add round, and of y = g * h, the experts' input before the norm's 1 / RMS (a scalar the gate/up
     # kernel applies to its sums). The rest: rows of the folded router, (W_r g) r + (W_r g W_o) a in
@@ -172,10 +163,7 @@ def _out_proj_logits_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, gate
     # ZERO_SLOTS (FUSED_DOWN): the rows' columns of the slots' sums acc [ZERO_SLOTS, H] zeroed, after
     # the wait (the memory may be a buffer the launches before still read), for the gate/up launch's
     # atomics.
-    # PREFETCH: the program's PF_ROWS rows of the next layer's q/k/v weight asked of L2 (`l2_prefetch`).
     pid = tl.program_id(0)
-    if PREFETCH:
-        prefetch_rows(pf_ptr, pid * PF_ROWS, pf_rows, pf_row_elems, PF_ROWS, PF_LANES, PREFETCH)
     out_programs = tl.cdiv(H, BLOCK_N)
     if pid < out_programs:
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -221,7 +209,7 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                            PACKED: tl.constexpr, RANK_IN_WARPS: tl.constexpr, WARPS: tl.constexpr,
                            FUSED_DOWN: tl.constexpr, DOWN_AHEAD: tl.constexpr, DOWN_N: tl.constexpr,
-                           DOWN_IN_LOOP: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
     # Program (slot, column tile). Every program routes the token itself: the row's RMS, the logits
     # scaled by it and rounded to the model's dtype (as F.linear rounds them) and the expert ranked
     # `slot` (`ranked_expert`: K rounds of a max within each warp, as this is on the path to the
@@ -274,10 +262,6 @@ def _routed_gate_up_kernel(h_ptr, y_ptr, logits_ptr, opt_out_ptr, w_ptr, out_ptr
         cols = pid_n * COLUMNS + tl.arange(0, BLOCK_N)  # COLUMNS of the BLOCK_N-wide tile are real
         col_real = (tl.arange(0, BLOCK_N) < COLUMNS) & (cols < I)
         col_ok = col_real[None, :]
-        if DOWN_IN_LOOP:  # FUSED_DOWN, the gate/up and down steps in one loop (`fold_experts`)
-            gate_up_then_down(y_ptr, w_ptr, down_ptr, acc_ptr, expert, slot, weight.to(dtype).to(tl.float32), inv,
-                              cols, col_real, H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_N, PRECISION)
-            return
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
@@ -301,8 +285,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
                gate_r: torch.Tensor, gate_o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
                normalize: bool, keep: int, keep_normalize: bool, opt_out: torch.Tensor | None, eps: float,
                similarity: torch.Tensor | None = None, protect: torch.Tensor | None = None, primary_k: int = 0,
-               threshold: float = 0.0, prefetch: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               threshold: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`folded_moe_reference`'s contract for one token in two launches (three without FUSED_DOWN), the
     dropped slots' experts not read; the slots' outputs float32 with FUSED_DOWN, else in h's dtype. gate,
     the unfolded router, is not read: gate_r and gate_o are its fold."""
@@ -329,17 +312,10 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     # FUSED_DOWN: the slots' outputs are summed into here by the gate/up launch (zeroed by the first).
     per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None
-    programs = triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS)
-    # Each program asks for at most one row a thread.
-    asks = (PREFETCH_NEXT_QKV if PREFETCH_NEXT_QKV and usable(prefetch)
-            and prefetch.shape[0] <= 32 * GEMV_WARPS * programs else OFF)
-    pf = prefetch if asks else logits
-    _out_proj_logits_kernel[(programs,)](
+    _out_proj_logits_kernel[(triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS),)](
         attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,
-        pf, pf.shape[0], pf.shape[-1], H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS,
-        BLOCK_K=block_k, AHEAD=ahead_width(A, block_k), ZERO_SLOTS=top_k if FUSED_DOWN else 0,
-        PF_ROWS=triton.cdiv(pf.shape[0], programs), PF_LANES=32 * GEMV_WARPS, PREFETCH=asks, num_warps=GEMV_WARPS,
-        **launch_options(h.device))
+        H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS, BLOCK_K=block_k, AHEAD=ahead_width(A, block_k),
+        ZERO_SLOTS=top_k if FUSED_DOWN else 0, num_warps=GEMV_WARPS, **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, FOLD_STAGES))
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))
@@ -356,7 +332,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
         H_PAD=triton.next_power_of_2(H), ROUTER_NORMALIZE=normalize, KEEP_NORMALIZE=keep_normalize,
         HAS_OPT_OUT=opt_out is not None, COLUMNS=columns, PACKED=h.dtype == torch.bfloat16,
         RANK_IN_WARPS=RANK_IN_WARPS, WARPS=up_cfg.num_warps, FUSED_DOWN=FUSED_DOWN,
-        DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N, DOWN_IN_LOOP=FUSED_DOWN and DOWN_IN_LOOP,
+        DOWN_AHEAD=DOWN_AHEAD if FUSED_DOWN else 0, DOWN_N=DOWN_N,
         **launch_options_moe(up_cfg, h))
     if FUSED_DOWN:
         return h_out, per_slot.view(1, top_k, H), router_ids, ids, weights
@@ -368,7 +344,7 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
 
 @folded_moe.register_fake
 def _(h, attn, o_weight, norm, gate, gate_r, gate_o, gate_up, down, top_k, normalize, keep, keep_normalize, opt_out,
-      eps, similarity=None, protect=None, primary_k=0, threshold=0.0, prefetch=None):
+      eps, similarity=None, protect=None, primary_k=0, threshold=0.0):
     ids = h.new_empty(1, top_k, dtype=torch.int64)
     per_slot = h.new_empty(1, top_k, h.shape[1], dtype=torch.float32 if FUSED_DOWN else h.dtype)
     return torch.empty_like(h), per_slot, ids, torch.empty_like(ids), h.new_empty(1, top_k)

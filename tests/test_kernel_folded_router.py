@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.routing import OeaPolicy, SerePolicy, TruncatePolicy
-from zipmoe.kernels import dependent_launch, fold_routing, folded_router, l2_prefetch
+from zipmoe.kernels import dependent_launch, fold_routing, folded_router
 from zipmoe.kernels.folded_router import fold_router, folded_moe, folded_moe_reference
 from zipmoe.kernels.router import add_norm_router_reference
 
@@ -101,20 +101,16 @@ def test_folded_moe_gate_up_programs_rank_block_wide(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fused,down_n,down_ahead,in_loop", [(True, 32, 0, False), (True, 128, 64, False),
-                                                             (False, 256, 0, False), (True, 32, 0, True),
-                                                             (True, 256, 0, True)])
-def test_folded_moe_runs_the_down_gemm_either_way(device, fused, down_n, down_ahead, in_loop, monkeypatch):
-    """The down GEMM in the gate/up programs (FUSED_DOWN, the other tests: 256 rows a step, after the
-    gate/up loop), adding into the slots' float32 sums, at other rows a step (H a multiple of them, or
-    not) and rows loaded before the gate/up loop, or in the gate/up loop's later steps (DOWN_IN_LOOP);
-    or as a launch of its own (FUSED_DOWN off). With the experts ranked within
+@pytest.mark.parametrize("fused,down_n,down_ahead", [(True, 32, 0), (True, 128, 64), (False, 256, 0)])
+def test_folded_moe_runs_the_down_gemm_either_way(device, fused, down_n, down_ahead, monkeypatch):
+    """The down GEMM in the gate/up programs (FUSED_DOWN, the other tests: 256 rows a step), adding
+    into the slots' float32 sums, at other rows a step (H a multiple of them, or not) and rows loaded
+    before the gate/up loop; or as a launch of its own (FUSED_DOWN off). With the experts ranked within
     each warp or block-wide, columns short of a tile, OEA's kept slots (weights renormalised or not, a
     token that opted out) and SERE's moves, whose weights the gate/up programs work out themselves."""
     monkeypatch.setattr(folded_router, "FUSED_DOWN", fused)
     monkeypatch.setattr(folded_router, "DOWN_N", down_n)
     monkeypatch.setattr(folded_router, "DOWN_AHEAD", down_ahead)
-    monkeypatch.setattr(folded_router, "DOWN_IN_LOOP", in_loop)
     test_folded_moe_matches_reference(device, 64, 128, 16, 32, 4, True)
     test_folded_moe_matches_reference(device, 96, 80, 60, 48, 8, False)
     test_folded_moe_gate_up_programs_take_columns_short_of_their_tile(device, 12, monkeypatch)
@@ -238,38 +234,6 @@ def test_folded_moe_30b_shape_in_a_cuda_graph():
     graph.replay()  # twice: nothing of the first replay left in the second (FUSED_DOWN's sums zeroed)
     want = folded_moe_reference(fresh[0], fresh[1], *args[2:], 8, True, 8, True, None, 1e-6)
     _assert_matches(out, want, "cuda", fresh)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", [l2_prefetch.NORMAL, l2_prefetch.EVICT_LAST])
-def test_folded_moe_asks_l2_for_a_weight_without_changing_its_results(device, mode, monkeypatch):
-    """The output projection's programs asking L2 for another weight's rows (the engine's next q/k/v;
-    on the CPU nothing is asked) leave the block's results as they were; at the 30B shape on a GPU
-    each of 544 programs asks for 10 of 5,120 rows, and in a CUDA graph too."""
-    monkeypatch.setattr(folded_router, "PREFETCH_NEXT_QKV", mode)
-    shape = (2048, 4096, 128, 768, 8) if device == "cuda" else (64, 128, 16, 32, 4)
-    H, A, E, I, K = shape
-    args = _block(device, H, A, E, I, spread=8.0)
-    rest = (K, True, K, True, None, 1e-6)
-    qkv = torch.randn(5120 if device == "cuda" else 40, H, device=device).to(args[0].dtype)
-    want = folded_moe_reference(*args, *rest)
-    _assert_matches(folded_moe(*args, *rest, prefetch=qkv), want, device, args)
-    if device == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = folded_moe(*args, *rest, prefetch=qkv)
-        graph.replay()
-        _assert_matches(out, want, device, args)
-
-
-@pytest.mark.gpu
-def test_l2_set_aside_is_capped_at_the_devices_most():
-    most = l2_prefetch.set_aside_l2(1 << 40)
-    try:
-        assert 0 < most <= torch.cuda.get_device_properties(0).L2_cache_size
-        assert 0 < l2_prefetch.set_aside_l2(most // 2) <= most
-    finally:
-        l2_prefetch.set_aside_l2(0)
 
 
 @pytest.mark.parametrize("limit,folded", [(folded_router.FOLD_MAX_EXPERTS, True), (1, False)])

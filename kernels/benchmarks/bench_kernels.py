@@ -48,7 +48,7 @@ from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.multimodal import VisualInputs
 from zipmoe.engine.routing import OeaPolicy, RoutingPolicy, SerePolicy
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels import dependent_launch, l2_prefetch
+from zipmoe.kernels import dependent_launch
 from zipmoe.kernels.layer_ops import qk_norm_rope_cache, topk_softmax
 from zipmoe.kernels.qkv_norm_rope import fused_qkv_norm_rope_cache
 from zipmoe.kernels.router import fused_router
@@ -318,20 +318,15 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="decode,prefill,moe,sere,router,qkv,importance,paged")
     ap.add_argument("--sweep", action="store_true", help="time the fused kernels' tile shapes instead")
     ap.add_argument("--knob-sets", default="attention,tiles,ahead", help="the step_knobs part's sets")
-    ap.add_argument("--l2-set-aside-mb", type=int, default=0,
-                    help="set aside this much of L2 for persisting lines first (`l2_prefetch.set_aside_l2`)")
     args = ap.parse_args(argv)
     require_cuda(ap)
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
-    set_aside = l2_prefetch.set_aside_l2(args.l2_set_aside_mb << 20) if args.l2_set_aside_mb else 0
     gbps = copy_gbps()
-    print(f"device {torch.cuda.get_device_name()}: copy_ {gbps:.0f} GB/s (read + write), L2 set aside "
-          f"{set_aside >> 20} MB", flush=True)
+    print(f"device {torch.cuda.get_device_name()}: copy_ {gbps:.0f} GB/s (read + write)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(gbps, 1), "l2_set_aside_bytes": set_aside,
-              "rows": []}
+    result = {"device": torch.cuda.get_device_name(), "copy_gbps": round(gbps, 1), "rows": []}
 
     def save(rows: list[dict]) -> None:  # after every part: a run cut short keeps what it measured
         result["rows"] += rows

@@ -3,7 +3,7 @@ contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
         [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,fused_down,ahead,refit,
-         splits_large,idle_memory]
+         splits_large]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -56,11 +56,6 @@ expert union throughout.
   the projection's rows a program, the q/k/v splits, the down rows a step and the merge's round (the
   result file of session 53 also times the slots' outputs summed into one float32 row, a knob since
   removed).
-- idle_memory (batch 1, the same contexts): two ways to read weights while memory would idle. The
-  output projection's programs asking L2 for the next layer's q/k/v weight before their wait, while
-  the attention runs (`folded_router.PREFETCH_NEXT_QKV`: off, committed; at L2's normal priority; to
-  be evicted last, which L2 honours only where `l2_prefetch.set_aside_l2` set some of it aside); the
-  gate/up programs' down steps in their gate/up loop (`folded_router.DOWN_IN_LOOP`); and both.
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
@@ -70,7 +65,7 @@ import dataclasses
 import torch
 
 from zipmoe.engine.routing import RoutingPolicy
-from zipmoe.kernels import dependent_launch, folded_router, fused_moe, l2_prefetch, paged_attention, qkv_norm_rope
+from zipmoe.kernels import dependent_launch, folded_router, fused_moe, paged_attention, qkv_norm_rope
 from zipmoe.kernels.fused_moe import MoeConfig
 
 from .bench_kernels import decoding, drop, print_row, row
@@ -229,14 +224,6 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("q/k/v 16 splits", [(qkv_norm_rope, "QKV_MAX_SPLIT", 16)]),
             ("down 512 rows a step", [(folded_router, "DOWN_N", 512)]),
             ("merge 8 splits a round", [(paged_attention, "MERGE_AT_ONCE", 8)]),
-            ("committed again", []),
-        ]),
-        "idle_memory": (BATCH_1, [
-            ("committed (nothing asked of L2, the down GEMM after the gate/up loop)", []),
-            ("next q/k/v asked of L2", [(folded_router, "PREFETCH_NEXT_QKV", l2_prefetch.NORMAL)]),
-            ("next q/k/v asked of L2, evicted last", [(folded_router, "PREFETCH_NEXT_QKV", l2_prefetch.EVICT_LAST)]),
-            ("the down steps in the gate/up loop", [(folded_router, "DOWN_IN_LOOP", True)]),
-            ("both", [(folded_router, "DOWN_IN_LOOP", True), (folded_router, "PREFETCH_NEXT_QKV", l2_prefetch.NORMAL)]),
             ("committed again", []),
         ]),
     }

@@ -80,9 +80,6 @@ def _step_launches() -> list:
     with contextlib.ExitStack() as recorded:
         for module, name in kernels:
             recorded.enter_context(mock.patch.object(module, name, _Recorder(name, getattr(module, name), launches)))
-        # The next layer's q/k/v asked of L2 as on a GPU (these CPU tensors are never read), where
-        # --patch folded_router.PREFETCH_NEXT_QKV=1 or 2 turns it on.
-        recorded.enter_context(mock.patch.object(folded_router, "usable", lambda weight: weight is not None))
         bf16 = dict(dtype=torch.bfloat16)
         slots = CONTEXT_BLOCKS * BLOCK
         k_cache, v_cache = (torch.empty(slots, HKV, D, **bf16) for _ in range(2))
@@ -97,7 +94,7 @@ def _step_launches() -> list:
         folded_router.folded_moe(h, torch.empty(1, A, **bf16), torch.empty(H, A, **bf16), torch.empty(H, **bf16),
                                  torch.empty(E, H, **bf16), torch.empty(E, H, **bf16), torch.empty(E, A, **bf16),
                                  torch.empty(E, 2 * I, H, **bf16), torch.empty(E, I, H, **bf16), TOP_K, True, TOP_K,
-                                 True, None, 1e-6, prefetch=torch.empty((HQ + 2 * HKV) * D, H, **bf16))
+                                 True, None, 1e-6)
     return launches
 
 

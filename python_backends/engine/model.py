@@ -225,8 +225,7 @@ class Qwen3VLMoeTextDecoder:
             h, out, router_ids, ids, _ = ops.folded_moe(
                 h, attn, layer.o, layer.post_norm, layer.gate, layer.gate_r, layer.gate_o, layer.gate_up, layer.down,
                 cfg.top_k, cfg.norm_topk_prob, route.keep, route.normalize, step.opt_out if rerouted else None, eps,
-                route.similarity, route.protect, route.primary_k, route.threshold,
-                prefetch=None if nxt is None else nxt.qkv)
+                route.similarity, route.protect, route.primary_k, route.threshold)
             routing.append((router_ids, ids))
         elif layer.is_moe:
             o = ops.linear(attn, layer.o)
