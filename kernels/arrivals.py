@@ -53,13 +53,14 @@ def last_to_arrive(counter_ptr, count):
 
 
 @triton.jit
-def sum_splits(at, split_stride, splits, mask, MAX_SPLIT: tl.constexpr):
-    """The float32 partials at the pointers `at` of split 0 (split s at s * split_stride further),
-    summed over the launch's `splits` (unrolled to MAX_SPLIT, the rest masked off: every load
-    independent, so all in flight). Read in the program `last_to_arrive` chose, or in a later launch."""
+def sum_splits(partial_ptr, rows, cols, T, width, splits, mask, MAX_SPLIT: tl.constexpr):
+    """[rows, cols] of float32 partials laid out [split, T, width], summed over the launch's `splits`
+    (unrolled to MAX_SPLIT, the rest masked off: every load independent, so all in flight). Read in
+    the program `last_to_arrive` chose."""
+    at = partial_ptr + rows[:, None] * width + cols[None, :]
     total = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, MAX_SPLIT):
-        total += tl.load(at + s * split_stride, mask=mask & (s < splits), other=0.0, cache_modifier=".cg")
+        total += tl.load(at + s * T * width, mask=mask & (s < splits), other=0.0, cache_modifier=".cg")
     return total
 
 

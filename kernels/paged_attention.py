@@ -36,10 +36,6 @@ Why it is shaped this way:
   Only where the launch's programs are all resident at once (KEYS_AHEAD_PER_SM): a program that
   holds its keys across the wait holds its multiprocessor too, and at batches 16 and 64 (then 1,024
   programs) the step was 1-4 % faster with the keys loaded after the wait (session 42, H100).
-- FINISH_QKV (`paged_decode_attention_from_qkv`, one decode token): the q/k/v launch before stored
-  only its float32 partials, and each program finishes its group's q heads, key and value after its
-  wait (`qkv_finish.finish_group`, one wait on L2), the first split writing the key and value into
-  the cache; the newest position is never read from the cache.
 - The last program of a split context merges the splits MERGE_AT_ONCE a round, loading their
   partials together: four a round made the batch-1 step 1.3 % faster at a 4,096-token context (16
   splits) and changed nothing measurable at 256 tokens or at batches 16 and 64 (session 42, H100;
@@ -53,8 +49,6 @@ import torch
 
 from .arrivals import arrival_counters, last_to_arrive
 from .dependent_launch import launch_options, wait_for_inputs
-from .qkv_finish import finish_group
-from .qkv_norm_rope import QKV_MAX_SPLIT
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -77,7 +71,6 @@ MAX_GROUPS = 1 << 16  # (sequence, kv head) pairs in one launch: one arrival cou
 # bench_step_knobs).
 keys_ahead = True
 KEYS_AHEAD_PER_SM = 2
-QKV_SPLITS = tl.constexpr(QKV_MAX_SPLIT)  # the most splits of the q/k/v partials FINISH_QKV sums
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,9 +127,6 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr
 @triton.jit
 def _partition_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, arrivals_ptr, out_ptr,
-    # FINISH_QKV: the q/k/v launch's partials and sums of squares, the q/k norms' weights, the token's
-    # cos / sin, its cache slot, the hidden size, the partials' splits, the norms' eps
-    part_ptr, squares_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, slots_ptr, hidden, qkv_splits, eps,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -145,7 +135,7 @@ def _partition_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr,
-    MERGE_AT_ONCE: tl.constexpr, FINISH_QKV: tl.constexpr, PDL: tl.constexpr,
+    MERGE_AT_ONCE: tl.constexpr, PDL: tl.constexpr,
 ):
     if not AHEAD:
         wait_for_inputs(PDL)
@@ -163,11 +153,10 @@ def _partition_kernel(
     # AHEAD: the first tile's keys and values but the newest are loaded before the wait, while the
     # q/k/v launch before still runs: the lengths and tables are copied in before the step, and the
     # only key a decode step writes is each sequence's newest, the one loaded after the wait.
-    # The tile's slots, the newest key's too, are looked up before the wait as well. FINISH_QKV: the
-    # newest key and value are never read from the cache (this launch finishes and writes them).
+    # The tile's slots, the newest key's too, are looked up before the wait as well.
     pos = start + offs
     slot = _slots(tables_ptr, seq, pos, pos < end, stride_tb, BLOCK_SIZE)
-    if AHEAD or FINISH_QKV:
+    if AHEAD:
         early = (pos < end) & (pos < ctx - 1)
     else:
         early = pos < end
@@ -183,23 +172,14 @@ def _partition_kernel(
     if start >= ctx:
         return  # only the splits a context reaches check in
 
-    newest = (pos < end) & (pos == ctx - 1)
-    if FINISH_QKV:  # one token (seq 0): the group's q heads, key and value from the q/k/v launch's partials
-        q, k_new, v_new = finish_group(part_ptr, squares_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, kv_head,
-                                       tl.num_programs(1), hidden, qkv_splits, eps, k_ptr.dtype.element_ty, GROUP,
-                                       GROUP_PAD, HEAD_DIM, QKV_SPLITS)
-        if part == 0:  # the step's key and value into the cache, for the steps after
-            new_slot = tl.load(slots_ptr).to(tl.int64)
-            tl.store(k_ptr + new_slot * stride_ks + kv_head * stride_kh + d[None, :], k_new)
-            tl.store(v_ptr + new_slot * stride_vs + kv_head * stride_vh + d[None, :], v_new)
-    else:
-        if AHEAD:  # the newest key and value, which the launch before wrote: asked for with q, one wait on L2
-            k_new, v_new = _keys_and_values(k_ptr, v_ptr, slot, kv_head, newest, d, stride_ks, stride_kh, stride_vs,
-                                            stride_vh)
-        # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
-                    mask=store[:, None], other=0.0)
-    if AHEAD or FINISH_QKV:  # into their place
+    if AHEAD:  # the newest key and value, which the launch before wrote: asked for with q, one wait on L2
+        newest = (pos < end) & (pos == ctx - 1)
+        k_new, v_new = _keys_and_values(k_ptr, v_ptr, slot, kv_head, newest, d, stride_ks, stride_kh, stride_vs,
+                                        stride_vh)
+    # Rows past the group are padding for tl.dot's minimum tile; they load zeros and are never stored.
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_heads[:, None] * stride_qh + d[None, :],
+                mask=store[:, None], other=0.0)
+    if AHEAD:  # into their place
         k = tl.where(newest[:, None], k_new, k)
         v = tl.where(newest[:, None], v_new, v)
     # Every tile visited holds at least one key of the context, so m_i is finite after the first.
@@ -208,14 +188,8 @@ def _partition_kernel(
                             DOT_PRECISION)
     for tile in range(start + BLOCK_N, end, BLOCK_N):
         pos = tile + offs
-        cached = pos < end
-        if FINISH_QKV:
-            cached = cached & (pos < ctx - 1)
         k, v = _keys_and_values(k_ptr, v_ptr, _slots(tables_ptr, seq, pos, pos < end, stride_tb, BLOCK_SIZE), kv_head,
-                                cached, d, stride_ks, stride_kh, stride_vs, stride_vh)
-        if FINISH_QKV:
-            k = tl.where((pos == ctx - 1)[:, None], k_new, k)
-            v = tl.where((pos == ctx - 1)[:, None], v_new, v)
+                                pos < end, d, stride_ks, stride_kh, stride_vs, stride_vh)
         m_i, l_i, acc = _attend(q, k, v, pos < end, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     used = tl.cdiv(ctx, chunk)  # at most `splits`: the programs that check in
@@ -302,9 +276,7 @@ def num_splits(batch: int, kv_heads: int, table_len: int, tile: int) -> int:
     return max(1, min(TARGET_PROGRAMS // max(1, batch * kv_heads), MAX_SPLITS, triton.cdiv(table_len, tile)))
 
 
-def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, tile, finish=None):
-    """finish: FINISH_QKV's tensors and numbers (`paged_decode_attention_from_qkv`); q is then only
-    the output's shape."""
+def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, tile):
     _check(q, k_cache, v_cache, block_tables, context_lens, block_size)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -332,7 +304,6 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
     _partition_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, m, l, acc,
         arrival_counters("paged_decode_attention", q.device, MAX_GROUPS), out,
-        *(finish or (q,) * 7 + (0, 1, 0.0)),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -342,8 +313,8 @@ def _launch(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, 
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        AHEAD=loads_keys_ahead(B * Hkv * splits, q.device), MERGE_AT_ONCE=MERGE_AT_ONCE,
-        FINISH_QKV=finish is not None, num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
+        AHEAD=loads_keys_ahead(B * Hkv * splits, q.device),
+        MERGE_AT_ONCE=MERGE_AT_ONCE, num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )
     return out
 
@@ -370,29 +341,3 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     return torch.ops.zipmoe.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                    block_size, scale, tile)
-
-
-@torch.library.custom_op("zipmoe::paged_decode_attention_from_qkv", mutates_args=("k_cache", "v_cache"))
-def paged_decode_attention_from_qkv(partial: torch.Tensor, squares: torch.Tensor, q_norm: torch.Tensor,
-                                    k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                                    v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                                    context_lens: torch.Tensor, block_size: int, scale: float, eps: float,
-                                    num_heads: int, hidden: int) -> torch.Tensor:
-    """One decode token's attention [1, Hq, D], its q, key and value finished from the q/k/v launch's
-    partials and sums of squares (`qkv_norm_rope.add_norm_qkv_partials`: `qkv_finish`); the key and
-    value are written into the caches at slots [1] (as `add_norm_qkv` writes them); hidden: the width
-    whose RMS the squares sum."""
-    D, kv_heads = k_cache.shape[2], k_cache.shape[1]
-    if (partial.dim() != 3 or partial.shape[1] != 1 or partial.shape[2] != (num_heads + 2 * kv_heads) * D
-            or partial.shape[0] > QKV_MAX_SPLIT or slots.numel() != 1 or block_tables.shape[0] != 1):
-        raise ValueError(f"one token's q/k/v partials [splits, 1, {(num_heads + 2 * kv_heads) * D}] and slot, got "
-                         f"{tuple(partial.shape)}, {slots.numel()} slots, {block_tables.shape[0]} block tables")
-    out_shape = torch.empty(1, num_heads, D, dtype=k_cache.dtype, device=k_cache.device)
-    finish = (partial, squares, q_norm, k_norm, cos.contiguous(), sin.contiguous(), slots, hidden, partial.shape[0], eps)
-    return _launch(out_shape, k_cache, v_cache, block_tables, context_lens, block_size, scale, 0, finish)
-
-
-@paged_decode_attention_from_qkv.register_fake
-def _(partial, squares, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, block_tables, context_lens, block_size,
-      scale, eps, num_heads, hidden):
-    return k_cache.new_empty(1, num_heads, k_cache.shape[2])

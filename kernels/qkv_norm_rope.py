@@ -23,10 +23,6 @@ step was 80-95 us faster at batch 1 than with `layer_ops.add_rms_norm` apart (se
 norm's output is not rounded to the model's dtype before the GEMV, as the reference rounds it:
 the results differ from it by that rounding.
 
-`add_norm_qkv_partials` (QKV_FINISH_IN_ATTENTION): the same launch for one token, its programs storing
-their partials and sums of squares and returning, with no check-in; the attention's programs finish
-the heads (`kernels/qkv_finish.py`, `paged_attention.paged_decode_attention_from_qkv`).
-
 Called by `engine/model.py` at the start of each layer's attention: `ops.add_norm_qkv` after the
 layer before, `ops.qkv_norm_rope_cache` for the first layer and steps with DeepStack features.
 """
@@ -39,7 +35,6 @@ from .arrivals import arrival_counters, last_to_arrive, split_width, sum_splits
 from .dependent_launch import ahead_width, launch_options, wait_for_inputs
 from .layer_ops import (add_rms_norm, add_rms_norm_reference, inverse_rms_of_squares, qk_norm_rope_cache,
                         qk_norm_rope_cache_reference, residual_sum, weighted)
-from .qkv_finish import norm_rope_rows
 
 import triton  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 import triton.language as tl
@@ -54,10 +49,6 @@ QKV_MAX_SPLIT = 8  # splits of the input width per head: 40 heads x 8 = 320 prog
 QKV_MAX_HEADS = 1024  # q + k + v heads one launch serves: one arrival counter each
 QKV_WARPS = 4  # 2 and 8 made the batch-1 step 5 % slower (H100, session 38: bench_step_knobs)
 QKV_STAGES = 2  # 2 iterations a program at the 30B shape: 2 stages, half the shared memory (1: even)
-# One decode token: the q/k/v launch stores its partials and the attention finishes the heads
-# (`qkv_finish`), where the engine runs both (`engine/model.py`). Off until timed on a GPU
-# (bench_step_knobs' "qkv_finish" set).
-QKV_FINISH_IN_ATTENTION = False
 
 
 def qkv_norm_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
@@ -92,9 +83,10 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
                           K_PER_SPLIT, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPLIT: tl.constexpr,
                           ADD_NORM: tl.constexpr, SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          FIRST: tl.constexpr, LOAD_AHEAD: tl.constexpr, FINISH: tl.constexpr, PDL: tl.constexpr):
+                          FIRST: tl.constexpr, LOAD_AHEAD: tl.constexpr, PDL: tl.constexpr):
     head, split, split_count = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     NCOLS: tl.constexpr = (HQ + 2 * HKV) * D
+    HALF: tl.constexpr = D // 2
     rows = tl.arange(0, BLOCK_T).to(tl.int64)
     d = tl.arange(0, D)
     cols = head * D + d
@@ -125,8 +117,6 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
     tl.store(partial_ptr + (split * T + rows[:, None]) * NCOLS + cols[None, :], acc, mask=row_ok)
     if ADD_NORM:
         tl.store(squares_ptr + head * MAX_SPLIT + split, squares)
-    if not FINISH:  # the attention finishes the heads (`qkv_finish.finish_group`)
-        return
     # What the head's last step reads besides the partials, asked for by every program before it
     # checks in: in flight during the check-in, where the last program, asking after it, waited on
     # L2 once for them and once more behind each of the norm's reductions. A v head reads the slot
@@ -137,8 +127,7 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
     cos = tl.load(cos_ptr + rows[:, None] * D + d[None, :], mask=row_ok & normed, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + rows[:, None] * D + d[None, :], mask=row_ok & normed, other=0.0).to(tl.float32)
     if last_to_arrive(arrivals_ptr + head, split_count):
-        x32 = sum_splits(partial_ptr + rows[:, None] * NCOLS + cols[None, :], T * NCOLS, split_count, row_ok,
-                         MAX_SPLIT)
+        x32 = sum_splits(partial_ptr, rows, cols, T, NCOLS, split_count, row_ok, MAX_SPLIT)
         if ADD_NORM:  # the norm's 1 / RMS, from the head's splits' sums of squares (they cover the row)
             s = tl.arange(0, MAX_SPLIT)
             total = tl.sum(tl.load(squares_ptr + head * MAX_SPLIT + s, mask=s < split_count, other=0.0,
@@ -149,7 +138,16 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
         if not normed:  # v: copied into the cache as is
             tl.store(vc_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :], x, mask=row_ok)
         else:
-            out = norm_rope_rows(x, w, cos, sin, eps, BLOCK_T, D)
+            xr = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(xr * xr, axis=1) / D + eps)[:, None]
+            # Round where PyTorch rounds, as qk_norm_rope_cache does: normalise (f32) -> dtype,
+            # * weight -> dtype, then the rotation.
+            xn = (w * (xr * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            # The rotate-half partner of column d is column (d + D/2) % D of the same normed head:
+            # its two halves swapped in registers, not read again.
+            pn = tl.reshape(tl.flip(tl.reshape(xn, [BLOCK_T, 2, HALF]), 1), [BLOCK_T, D])
+            rotated = tl.where(d[None, :] < HALF, -pn, pn)
+            out = ((xn * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
             if head < HQ:
                 tl.store(q_out_ptr + (rows[:, None] * HQ + head) * D + d[None, :], out, mask=row_ok)
             else:
@@ -158,38 +156,31 @@ def _qkv_norm_rope_kernel(x_ptr, w_ptr, partial_ptr, squares_ptr, arrivals_ptr, 
 
 def fused_qkv_norm_rope_cache(x: torch.Tensor, weight: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """`qkv_norm_rope_cache_reference`'s contract in one launch, up to QKV_BLOCK_T tokens."""
-    return _launch(x, weight, (q_norm, k_norm, cos, sin, k_cache, v_cache, slots), eps, num_heads, num_kv_heads,
-                   None)[0]
-
-
-def _launch(x, weight, finish, eps, num_heads, num_kv_heads, norm_inputs):
-    """(q, partials, sums of squares) of `_qkv_norm_rope_kernel`. finish (q_norm, k_norm, cos, sin,
-    k_cache, v_cache, slots), or None: the heads are left unfinished, q not written (FINISH off).
+                              slots: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
+                              norm_inputs=None) -> torch.Tensor:
+    """`qkv_norm_rope_cache_reference`'s contract in one launch, up to QKV_BLOCK_T tokens.
     norm_inputs (h, delta, norm weight, h_out): one token whose x the kernel makes itself
     (`fused_add_norm_qkv`); x is then only its shape and dtype."""
     T, K = x.shape
+    D = q_norm.shape[0]
     heads = num_heads + 2 * num_kv_heads
-    D = weight.shape[0] // heads
     if T > QKV_BLOCK_T:
         raise ValueError(f"fused_qkv_norm_rope_cache serves at most {QKV_BLOCK_T} tokens, got {T}")
     if D & (D - 1) or D < 16:
         raise ValueError(f"head_dim {D} must be a power of two, at least 16")
-    if heads > QKV_MAX_HEADS or tuple(weight.shape) != (heads * D, K) or (finish and finish[0].shape[0] != D):
+    if heads > QKV_MAX_HEADS or tuple(weight.shape) != (heads * D, K):
         raise ValueError(f"weight {tuple(weight.shape)}: not {heads} heads of {D} over {K} inputs "
                          f"(at most {QKV_MAX_HEADS} heads)")
     if x.dtype != weight.dtype:
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     q = torch.empty(T, num_heads, D, dtype=x.dtype, device=x.device)
-    split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(K, QKV_BLOCK_K)))
-    partial = torch.empty(split, T, heads * D, dtype=torch.float32, device=x.device)
-    squares = torch.empty(heads, QKV_MAX_SPLIT, dtype=torch.float32, device=x.device) if norm_inputs else partial
     if T:
+        split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(K, QKV_BLOCK_K)))
         k_per_split = split_width(K, split, QKV_BLOCK_K)
         ahead = ahead_width(k_per_split, QKV_BLOCK_K)
+        partial = torch.empty(split, T, heads * D, dtype=torch.float32, device=x.device)
+        squares = torch.empty(heads, QKV_MAX_SPLIT, dtype=torch.float32, device=x.device) if norm_inputs else partial
         h, delta, norm, h_out = norm_inputs or (x, x, x, x)
-        q_norm, k_norm, cos, sin, k_cache, v_cache, slots = finish or (x,) * 7  # nothing read without FINISH
         _qkv_norm_rope_kernel[(heads, split)](
             x.contiguous(), weight.contiguous(), partial, squares,
             arrival_counters("qkv_norm_rope", x.device, QKV_MAX_HEADS),
@@ -200,8 +191,8 @@ def _launch(x, weight, finish, eps, num_heads, num_kv_heads, norm_inputs):
             # float32 (tests, the CPU reference's dtype) as F.linear computes it, not in TF32
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=QKV_WARPS, num_stages=QKV_STAGES,
-            FIRST=ahead or QKV_BLOCK_K, LOAD_AHEAD=ahead > 0, FINISH=finish is not None, **launch_options(x.device))
-    return q, partial, squares
+            FIRST=ahead or QKV_BLOCK_K, LOAD_AHEAD=ahead > 0, **launch_options(x.device))
+    return q
 
 
 @torch.library.custom_op("zipmoe::qkv_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
@@ -239,42 +230,18 @@ def fused_add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, eps: float, num_heads: int,
                        num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_norm_qkv_reference`'s contract in one launch, for one token."""
+    if h.shape[0] != 1 or delta.shape[0] != 1 or delta.shape[-1] != h.shape[1]:
+        raise ValueError(f"fused_add_norm_qkv serves one token's row, got h {tuple(h.shape)}, delta "
+                         f"{tuple(delta.shape)}")
     h_out = torch.empty_like(h)
-    q = _launch(h, weight, (q_norm, k_norm, cos, sin, k_cache, v_cache, slots), eps, num_heads, num_kv_heads,
-                _one_token(h, delta, norm, h_out))[0]
+    q = fused_qkv_norm_rope_cache(h, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads,
+                                  num_kv_heads, (h.contiguous(), delta.contiguous(), norm, h_out))
     return h_out, q
 
 
 @fused_add_norm_qkv.register_fake
 def _(h, delta, norm, weight, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, eps, num_heads, num_kv_heads):
     return torch.empty_like(h), h.new_empty(h.shape[0], num_heads, q_norm.shape[0])
-
-
-def _one_token(h, delta, norm, h_out):
-    """The kernel's norm_inputs for one token's row, checked."""
-    if h.shape[0] != 1 or delta.shape[0] != 1 or delta.shape[-1] != h.shape[1]:
-        raise ValueError(f"fused_add_norm_qkv serves one token's row, got h {tuple(h.shape)}, delta "
-                         f"{tuple(delta.shape)}")
-    return h.contiguous(), delta.contiguous(), norm, h_out
-
-
-@torch.library.custom_op("zipmoe::add_norm_qkv_partials", mutates_args=())
-def add_norm_qkv_partials(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
-                          num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`fused_add_norm_qkv`'s launch without the heads' finish (QKV_FINISH_IN_ATTENTION): (h + delta,
-    the projection's float32 partials [splits, 1, (Hq + 2 Hkv) * D] of g * (h + delta), their sums of
-    squares [heads, QKV_MAX_SPLIT]), which `paged_attention.paged_decode_attention_from_qkv` finishes."""
-    h_out = torch.empty_like(h)
-    _, partial, squares = _launch(h, weight, None, 0.0, num_heads, num_kv_heads, _one_token(h, delta, norm, h_out))
-    return h_out, partial, squares
-
-
-@add_norm_qkv_partials.register_fake
-def _(h, delta, norm, weight, num_heads, num_kv_heads):
-    split = max(1, min(QKV_MAX_SPLIT, triton.cdiv(h.shape[1], QKV_BLOCK_K)))
-    heads = num_heads + 2 * num_kv_heads
-    return (torch.empty_like(h), h.new_empty(split, 1, weight.shape[0], dtype=torch.float32),
-            h.new_empty(heads, QKV_MAX_SPLIT, dtype=torch.float32))
 
 
 def add_norm_qkv(h: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,

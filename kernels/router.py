@@ -84,8 +84,7 @@ def _router_kernel(x_ptr, gate_ptr, partial_ptr, arrivals_ptr, probs_ptr, ids_pt
              mask=(rows[:, None] < T) & (experts[None, :] < E))
     if last_to_arrive(arrivals_ptr + tile, tl.num_programs(1) * split_count):
         e = tl.arange(0, E_PAD)
-        logit = sum_splits(partial_ptr + rows[:, None] * E + e[None, :], T * E, split_count,
-                           (rows[:, None] < T) & (e[None, :] < E), MAX_SPLIT)
+        logit = sum_splits(partial_ptr, rows, e, T, E, split_count, (rows[:, None] < T) & (e[None, :] < E), MAX_SPLIT)
         logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         store_softmax_topk(logit, rows, T, E, probs_ptr, ids_ptr, w_ptr, BLOCK_T, K, E_PAD, K_PAD, NORMALIZE)
 

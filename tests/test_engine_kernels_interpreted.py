@@ -14,7 +14,6 @@ import torch
 from zipmoe.engine import model
 from zipmoe.engine.engine import EngineConfig, LLMEngine
 from zipmoe.engine.sequence import SamplingParams
-from zipmoe.kernels import qkv_norm_rope
 from zipmoe.prompt import ChatPrompt
 from zipmoe.vision import VisionEncoder
 
@@ -63,19 +62,3 @@ def test_a_lone_token_under_a_policy_takes_the_folded_router(tiny_checkpoint, ro
     folded = []
     assert serve(tiny_checkpoint, requests, kernels=True, folded=folded, **routing)[0] == reference
     assert folded
-
-
-def test_a_lone_token_with_its_qkv_finished_by_the_attention(tiny_checkpoint, monkeypatch):
-    """QKV_FINISH_IN_ATTENTION: a lone decode token's q/k/v launch leaves its heads unfinished and its
-    attention finishes them (`qkv_finish`); the tokens are the reference's."""
-    monkeypatch.setattr(qkv_norm_rope, "QKV_FINISH_IN_ATTENTION", True)
-    calls = []
-
-    def partials(*args):
-        calls.append(None)
-        return qkv_norm_rope.add_norm_qkv_partials(*args)
-    monkeypatch.setattr(model.KERNELS, "add_norm_qkv_partials", partials)
-    requests = [(list(range(3, 11)), None)]
-    reference, _ = serve(tiny_checkpoint, requests, kernels=False)
-    assert serve(tiny_checkpoint, requests, kernels=True, folded=[])[0] == reference
-    assert calls

@@ -3,7 +3,7 @@ contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
         [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,fused_down,ahead,refit,
-         splits_large,qkv_finish]
+         splits_large]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -56,9 +56,6 @@ expert union throughout.
   the projection's rows a program, the q/k/v splits, the down rows a step and the merge's round (the
   result file of session 53 also times the slots' outputs summed into one float32 row, a knob since
   removed).
-- qkv_finish (batch 1, contexts of 256, 1,024 and 4,096 tokens): the q/k/v launch finishing its heads
-  (committed), or storing only its partials for the attention's programs to finish
-  (`qkv_norm_rope.QKV_FINISH_IN_ATTENTION`, `kernels/qkv_finish.py`).
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
@@ -117,11 +114,6 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("32 keys, first tile ahead", [(paged_attention, "_tile_config", keys_a_tile(32))]),
             ("merge 4 splits a round", [(paged_attention, "MERGE_AT_ONCE", 4)]),
             ("merge 16 splits a round", [(paged_attention, "MERGE_AT_ONCE", 16)]),
-            ("committed again", []),
-        ]),
-        "qkv_finish": (((1, 256), (1, 1024), (1, 4096)), [
-            ("committed (the q/k/v launch finishes its heads)", []),
-            ("the attention finishes the q/k/v heads", [(qkv_norm_rope, "QKV_FINISH_IN_ATTENTION", True)]),
             ("committed again", []),
         ]),
         "merge": (((1, 300), (1, 700), (1, 4096)), [

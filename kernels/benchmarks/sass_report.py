@@ -85,19 +85,12 @@ def _step_launches() -> list:
         k_cache, v_cache = (torch.empty(slots, HKV, D, **bf16) for _ in range(2))
         h, delta = torch.empty(1, H, **bf16), torch.empty(1, TOP_K, H, **bf16)
         cos, sin = torch.empty(1, D, **bf16), torch.empty(1, D, **bf16)
-        norm, qkv, q_norm, k_norm = (torch.empty(H, **bf16), torch.empty((HQ + 2 * HKV) * D, H, **bf16),
-                                     torch.empty(D, **bf16), torch.empty(D, **bf16))
-        slot, tables = torch.zeros(1, dtype=torch.int64), torch.arange(CONTEXT_BLOCKS, dtype=torch.int32)[None]
-        lens = torch.tensor([256], dtype=torch.int32)
-        if qkv_norm_rope.QKV_FINISH_IN_ATTENTION:  # --patch qkv_norm_rope.QKV_FINISH_IN_ATTENTION=true
-            _, partial, squares = qkv_norm_rope.add_norm_qkv_partials(h, delta, norm, qkv, HQ, HKV)
-            paged_attention.paged_decode_attention_from_qkv(partial, squares, q_norm, k_norm, cos, sin, k_cache,
-                                                            v_cache, slot, tables, lens, BLOCK, D ** -0.5, 1e-6, HQ, H)
-        else:
-            qkv_norm_rope.fused_add_norm_qkv(h, delta, norm, qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot,
-                                             1e-6, HQ, HKV)
-            paged_attention.paged_decode_attention(torch.empty(1, HQ, D, **bf16), k_cache, v_cache, tables, lens,
-                                                   BLOCK, D ** -0.5)
+        qkv_norm_rope.fused_add_norm_qkv(h, delta, torch.empty(H, **bf16), torch.empty((HQ + 2 * HKV) * D, H, **bf16),
+                                         torch.empty(D, **bf16), torch.empty(D, **bf16), cos, sin, k_cache, v_cache,
+                                         torch.zeros(1, dtype=torch.int64), 1e-6, HQ, HKV)
+        tables = torch.arange(CONTEXT_BLOCKS, dtype=torch.int32)[None]
+        paged_attention.paged_decode_attention(torch.empty(1, HQ, D, **bf16), k_cache, v_cache, tables,
+                                               torch.tensor([256], dtype=torch.int32), BLOCK, D ** -0.5)
         folded_router.folded_moe(h, torch.empty(1, A, **bf16), torch.empty(H, A, **bf16), torch.empty(H, **bf16),
                                  torch.empty(E, H, **bf16), torch.empty(E, H, **bf16), torch.empty(E, A, **bf16),
                                  torch.empty(E, 2 * I, H, **bf16), torch.empty(E, I, H, **bf16), TOP_K, True, TOP_K,

@@ -27,10 +27,8 @@ from ..kernels import folded_router
 from ..kernels.embed_rope import embed_norm_rope, embed_norm_rope_reference, norm_rope, norm_rope_reference
 from ..kernels.fused_moe import fused_experts_per_slot, fused_experts_reference
 from ..kernels.gemv import linear, linear_reference
-from ..kernels import qkv_norm_rope
-from ..kernels.paged_attention import (paged_decode_attention, paged_decode_attention_from_qkv,
-                                       paged_decode_attention_reference)
-from ..kernels.qkv_norm_rope import (add_norm_qkv, add_norm_qkv_partials, add_norm_qkv_reference, qkv_norm_rope_cache,
+from ..kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from ..kernels.qkv_norm_rope import (add_norm_qkv, add_norm_qkv_reference, qkv_norm_rope_cache,
                                      qkv_norm_rope_cache_reference)
 from ..kernels.router import add_norm_router, add_norm_router_reference
 from .routing import OneTokenRoute, RoutingPolicy
@@ -49,21 +47,17 @@ from .rope import MRope
 # references' arithmetic, step by step (its fold rounds differently, `kernels/folded_router.py`).
 # Around the layers: one launch for the embeddings, the mRoPE cos/sin and the first input norm
 # (`embed_norm_rope`), and the last layer's residual add with the final norm (`add_rms_norm`).
-# With `qkv_norm_rope.QKV_FINISH_IN_ATTENTION`, one decode token's `add_norm_qkv` leaves the heads
-# unfinished (`add_norm_qkv_partials`) and the attention finishes them (`decode_attention_from_qkv`).
 KERNELS = SimpleNamespace(rms_norm=layer_ops.rms_norm, add_rms_norm=layer_ops.add_rms_norm,
                           embed_norm_rope=embed_norm_rope, norm_rope=norm_rope,
                           qkv_norm_rope_cache=qkv_norm_rope_cache, add_norm_qkv=add_norm_qkv, linear=linear,
                           add_norm_router=add_norm_router, experts=fused_experts_per_slot,
-                          decode_attention=paged_decode_attention, folded_moe=folded_router.folded_moe,
-                          add_norm_qkv_partials=add_norm_qkv_partials,
-                          decode_attention_from_qkv=paged_decode_attention_from_qkv)
+                          decode_attention=paged_decode_attention, folded_moe=folded_router.folded_moe)
 REFERENCE = SimpleNamespace(rms_norm=layer_ops.rms_norm_reference, add_rms_norm=layer_ops.add_rms_norm_reference,
                             embed_norm_rope=embed_norm_rope_reference, norm_rope=norm_rope_reference,
                             qkv_norm_rope_cache=qkv_norm_rope_cache_reference, add_norm_qkv=add_norm_qkv_reference,
                             linear=linear_reference, add_norm_router=add_norm_router_reference,
                             experts=fused_experts_reference, decode_attention=paged_decode_attention_reference,
-                            folded_moe=None, add_norm_qkv_partials=None, decode_attention_from_qkv=None)
+                            folded_moe=None)
 
 
 @dataclass
@@ -91,16 +85,6 @@ class StepInputs:
     visual_rows: torch.Tensor | None = None  # prefill: rows of the packed axis that are image tokens
     visual_embeds: torch.Tensor | None = None  # [V, hidden] replacing those rows' embeddings
     deepstack: torch.Tensor | None = None  # [layers, V, hidden] added to those rows after the first layers
-
-
-@dataclass
-class QkvPartials:
-    """One decode token's q/k/v left unfinished for its attention (`qkv_norm_rope.QKV_FINISH_IN_ATTENTION`):
-    the projection's float32 partials, their sums of squares, and the step's cos / sin."""
-    partial: torch.Tensor
-    squares: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 @dataclass
@@ -251,10 +235,6 @@ class Qwen3VLMoeTextDecoder:
             out = self._mlp(layer, x)
         if nxt is not None and inject is None:
             # The residual add (and the MoE's slot sum), the next layer's input norm and its q/k/v.
-            if self._qkv_in_attention(step, h):
-                h, partial, squares = ops.add_norm_qkv_partials(h, out, nxt.input_norm, nxt.qkv, cfg.num_heads,
-                                                                cfg.num_kv_heads)
-                return h, QkvPartials(partial, squares, cos, sin)
             return ops.add_norm_qkv(h, out, nxt.input_norm, nxt.qkv, nxt.q_norm, nxt.k_norm, cos, sin, kv.k[nxt.idx],
                                     kv.v[nxt.idx], step.slots, eps, cfg.num_heads, cfg.num_kv_heads)
         if inject is None:  # the last layer: the residual add (and the slot sum) with the final norm
@@ -263,11 +243,6 @@ class Qwen3VLMoeTextDecoder:
         if nxt is None:
             return ops.rms_norm(h, self.norm, eps), None
         return h, self._qkv(nxt, ops.rms_norm(h, nxt.input_norm, eps), cos, sin, step, kv)
-
-    def _qkv_in_attention(self, step: StepInputs, h: torch.Tensor) -> bool:
-        """Whether a layer's q/k/v is left for its attention to finish (one decode token)."""
-        return (qkv_norm_rope.QKV_FINISH_IN_ATTENTION and self.ops.add_norm_qkv_partials is not None
-                and h.shape[0] == 1 and not step.is_prefill)
 
     def _folded_route(self, layer: Layer, step: StepInputs, T: int) -> OneTokenRoute | None:
         """A MoE layer's decode step of one token takes `ops.folded_moe` (where the ops have one, no
@@ -292,19 +267,13 @@ class Qwen3VLMoeTextDecoder:
                                             kv.k[layer.idx], kv.v[layer.idx], step.slots, cfg.rms_norm_eps,
                                             cfg.num_heads, cfg.num_kv_heads)
 
-    def attention(self, layer: Layer, q: torch.Tensor | QkvPartials, step: StepInputs, kv: KVCache,
+    def attention(self, layer: Layer, q: torch.Tensor, step: StepInputs, kv: KVCache,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """The heads' outputs [T, heads * head_dim] for q [T, heads, head_dim] (or one decode token's
-        unfinished q/k/v), before the output projection; a prefill step's go into `out` ([T, heads,
-        head_dim]) where it is given."""
+        """The heads' outputs [T, heads * head_dim] for q [T, heads, head_dim], before the output
+        projection; a prefill step's go into `out` ([T, heads, head_dim]) where it is given."""
         cfg = self.cfg
-        k_cache, v_cache = kv.k[layer.idx], kv.v[layer.idx]
-        if isinstance(q, QkvPartials):
-            return self.ops.decode_attention_from_qkv(
-                q.partial, q.squares, layer.q_norm, layer.k_norm, q.cos, q.sin, k_cache, v_cache, step.slots,
-                step.block_tables, step.context_lens, kv.block_size, self.scale, cfg.rms_norm_eps, cfg.num_heads,
-                cfg.hidden_size).reshape(1, -1)
         T = q.shape[0]
+        k_cache, v_cache = kv.k[layer.idx], kv.v[layer.idx]
         if not step.is_prefill:
             out = self.ops.decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
                                             kv.block_size, self.scale)
