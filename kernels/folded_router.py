@@ -14,7 +14,8 @@ itself. So:
 
 1. `_out_proj_logits_kernel`: the output projection's rows with the residual add (h, stored), y =
    g * h (stored), and in E / BLOCK_N programs more the router's logits before the norm's scale
-   (float32);
+   (float32); on a Hopper GPU the same launch in Gluon, each program's rows copied into shared
+   memory before its wait (`out_proj_smem.py`, OUT_PROJ_SMEM);
 2. `_routed_gate_up_kernel`: every program takes h's RMS and the top-K of the scaled logits itself
    (4 kB and 512 B from L2), finds its slot's expert and weight, runs the gate and up GEMMs on y
    (their sums times 1 / RMS) for its columns, then those columns' share of the down GEMM, times
@@ -43,7 +44,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .dependent_launch import ahead_width, launch_options, wait_for_inputs
+from .dependent_launch import ahead_width, hopper_or_later, launch_options, wait_for_inputs
 from .fold_experts import down_columns, down_into_slot, token_tile
 from .fold_routing import ranked_expert, routed_ids, routing_weights, store_routing
 from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gate_up_pointers, gate_up_step,
@@ -51,6 +52,7 @@ from .fused_moe import (down_config, down_per_slot, fused_experts_reference, gat
 from .gemv import (GEMV_BLOCK_K, GEMV_WARPS, gemv_first_columns, gemv_first_sums, gemv_rows,
                    gemv_rows_from)
 from .layer_ops import inverse_rms, weighted
+from .out_proj_smem import out_proj_logits_smem_kernel
 from .router import add_norm_router_reference
 from .sere_reroute import sere_reroute_reference
 
@@ -105,6 +107,21 @@ RANK_IN_WARPS = True
 FUSED_DOWN = True
 DOWN_N = 256
 DOWN_AHEAD = 0
+# The output projection's launch with each program's rows copied whole into shared memory before its
+# wait (`out_proj_smem`, Gluon), at most OUT_PROJ_SMEM_DEPTH steps of 512 columns a program in flight,
+# where the GPU runs it (Hopper on), the slots are zeroed (FUSED_DOWN), the weights take 2 bytes and a
+# program's step is one layout tile wide (GEMV_BLOCK_K); else the Triton kernel, half of each program's
+# rows in registers across the wait. At most 2 steps in flight: the batch-1 step 0.5-1.2 % faster on an
+# H100 at 256 and 4,096 tokens (two runs, session 57), 1.0-1.4 % at 256 and even at 4,096 on an H200
+# (session 55); bench_step_knobs' "out_proj_smem" set.
+OUT_PROJ_SMEM = True
+OUT_PROJ_SMEM_DEPTH = 2  # 0: every step in flight at once
+
+
+def _out_proj_in_shared_memory(h: torch.Tensor, A: int, block_k: int) -> bool:
+    """Whether `folded_moe` takes `out_proj_smem`'s launch (OUT_PROJ_SMEM)."""
+    return (OUT_PROJ_SMEM and FUSED_DOWN and hopper_or_later(h.device) and h.element_size() == 2
+            and block_k == 8 * 32 * GEMV_WARPS and A % block_k == 0 and h.shape[1] % block_k == 0)
 
 
 def fold_router(gate: torch.Tensor, norm: torch.Tensor, o_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,10 +329,17 @@ def folded_moe(h: torch.Tensor, attn: torch.Tensor, o_weight: torch.Tensor, norm
     block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(min(A, H)))
     # FUSED_DOWN: the slots' outputs are summed into here by the gate/up launch (zeroed by the first).
     per_slot = torch.empty(top_k, H, dtype=torch.float32, device=h.device) if FUSED_DOWN else None
-    _out_proj_logits_kernel[(triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS),)](
-        attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,
-        H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS, BLOCK_K=block_k, AHEAD=ahead_width(A, block_k),
-        ZERO_SLOTS=top_k if FUSED_DOWN else 0, num_warps=GEMV_WARPS, **launch_options(h.device))
+    out_grid = (triton.cdiv(H, OUT_PROJ_ROWS) + triton.cdiv(E, OUT_PROJ_ROWS),)
+    if _out_proj_in_shared_memory(h, A, block_k):
+        out_proj_logits_smem_kernel[out_grid](
+            attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, per_slot, H, E, A=A, HK=H,
+            BLOCK_N=OUT_PROJ_ROWS, BLOCK_K=block_k, DEPTH=OUT_PROJ_SMEM_DEPTH, ZERO_SLOTS=top_k, WARPS=GEMV_WARPS,
+            num_warps=GEMV_WARPS, **launch_options(h.device))
+    else:
+        _out_proj_logits_kernel[out_grid](
+            attn, h, o_weight, norm, gate_r, gate_o, h_out, y, logits, ready, logits if per_slot is None else per_slot,
+            H, E, A=A, HK=H, BLOCK_N=OUT_PROJ_ROWS, BLOCK_K=block_k, AHEAD=ahead_width(A, block_k),
+            ZERO_SLOTS=top_k if FUSED_DOWN else 0, num_warps=GEMV_WARPS, **launch_options(h.device))
     cfg = pick_config(1, E, H, I, h.element_size())
     cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, FOLD_STAGES))
     router_ids, ids, tiles = (torch.empty(1, top_k, dtype=torch.int64, device=h.device) for _ in range(3))

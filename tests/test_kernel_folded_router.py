@@ -236,6 +236,31 @@ def test_folded_moe_30b_shape_in_a_cuda_graph():
     _assert_matches(out, want, "cuda", fresh)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["topk", "sere"])
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_output_projection_in_shared_memory_matches_the_triton_kernel(policy, depth, monkeypatch):
+    """At the 30B shape the output projection's launch is `out_proj_smem`'s (Gluon, its rows copied
+    into shared memory before the wait, every step or at most `depth` in flight); with OUT_PROJ_SMEM
+    off, the Triton kernel's. Both give the same routing and, within their sums' order, the same h
+    and slot outputs."""
+    monkeypatch.setattr(folded_router, "OUT_PROJ_SMEM", True)
+    monkeypatch.setattr(folded_router, "OUT_PROJ_SMEM_DEPTH", depth)
+    args = _block("cuda", 2048, 4096, 128, 768, seed=3, spread=8.0)
+    assert folded_router._out_proj_in_shared_memory(args[0], 4096, 512)
+    sere = ()
+    if policy == "sere":
+        sim = torch.rand(128, 128, generator=torch.Generator().manual_seed(5)).cuda()
+        sere = (sim, torch.zeros(128, dtype=torch.bool, device="cuda"), 2, 0.5)
+    got = folded_moe(*args, 8, True, 8, True, None, 1e-6, *sere)
+    monkeypatch.setattr(folded_router, "OUT_PROJ_SMEM", False)
+    want = folded_moe(*args, 8, True, 8, True, None, 1e-6, *sere)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[4], want[4], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("limit,folded", [(folded_router.FOLD_MAX_EXPERTS, True), (1, False)])
 def test_the_model_folds_its_routers_up_to_the_expert_limit(tiny_checkpoint, monkeypatch, limit, folded):
     """Every MoE layer gets its folded rows at load, unless it has more experts than the rank pass

@@ -3,7 +3,7 @@ contexts each knob's choice depends on. A part of bench_kernels:
 
     python -m zipmoe.kernels.benchmarks.bench_kernels --parts step_knobs --out docs/results/step_knobs_h100
         [--knob-sets attention,merge,keys_ahead,splits,columns,tiles,out_proj,fused_down,ahead,refit,
-         splits_large]
+         splits_large,out_proj_smem]
 
 `bench_one_token` times the batch-1 step at one context; a knob whose best value may move with
 the batch or the context length is chosen here. Each set times its variants in one engine, the
@@ -56,6 +56,10 @@ expert union throughout.
   the projection's rows a program, the q/k/v splits, the down rows a step and the merge's round (the
   result file of session 53 also times the slots' outputs summed into one float32 row, a knob since
   removed).
+- out_proj_smem (batch 1, contexts 256 and 4,096): the output projection's launch in Gluon with its
+  rows copied into shared memory before its wait (`folded_router.OUT_PROJ_SMEM`) at most 1, 2
+  (committed) or 3 steps in flight a program, or all at once (`OUT_PROJ_SMEM_DEPTH`), against the
+  Triton kernel (the result files of sessions 55 and 57 name the Triton kernel "committed").
 Rows: bench "step_knob", impl "graph_replay", policy "<set>: <variant>", with `context` (the prompt).
 """
 from __future__ import annotations
@@ -169,6 +173,14 @@ def knob_sets() -> dict[str, tuple[tuple, list]]:
             ("1 row, all ahead",
              [(folded_router, "OUT_PROJ_ROWS", 1), (folded_router, "ahead_width", _ahead(share=2.0))]),
             ("8 rows, half ahead", [(folded_router, "OUT_PROJ_ROWS", 8)]),
+            ("committed again", []),
+        ]),
+        "out_proj_smem": (BATCH_1, [
+            ("committed (Gluon, the rows copied into shared memory, at most 2 steps in flight a program)", []),
+            ("the Triton kernel, half the rows ahead in registers (before)", [(folded_router, "OUT_PROJ_SMEM", False)]),
+            *[(f"Gluon, at most {depth} steps in flight a program", [(folded_router, "OUT_PROJ_SMEM_DEPTH", depth)])
+              for depth in (1, 3)],
+            ("Gluon, every step in flight", [(folded_router, "OUT_PROJ_SMEM_DEPTH", 0)]),
             ("committed again", []),
         ]),
         "top_k": (BATCH_1, [

@@ -22,6 +22,9 @@ they take to be placed on 132 multiprocessors ("rounds", 1 where all fit at once
 what Triton's interpreter lets through, such as a name that both branches of a runtime `if` assign
 at different shapes.
 
+On a Hopper GPU the output projection's launch is Gluon's (`out_proj_smem`, `folded_router.OUT_PROJ_SMEM`);
+with CPU tensors `folded_moe` takes the Triton kernel, and that one is reported.
+
 The kernels run in Triton's interpreter on machines without CUDA (`zipmoe/kernels/__init__.py`), so
 this module runs itself again with the interpreter off when it finds it on.
 """
