@@ -27,7 +27,8 @@ program of the one before has passed its own wait, `wait_for_inputs` letting the
 it: so at most two launches overlap, and only the one just before can still be writing.)
 - A layer's weights: the q/k/v launch and the folded output projection (`qkv_norm_rope`,
   `folded_router`) load `load_ahead` of each program's weight (half) before their wait, while the
-  launch before (the experts' down GEMM, the attention) still runs, and the rest after it. The
+  launch before (the experts' down GEMM, the attention) still runs, and the rest after it (the
+  projection's Gluon launch on Hopper, `out_proj_smem`: all of it, into shared memory). The
   batch-1 step on an H100, one run (session 37, graph replay): 3,269 / 3,273 us against 3,375
   with none ahead and 3,628 with all (registers and bandwidth taken from the launch before for
   the whole of its run).

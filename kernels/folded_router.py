@@ -111,7 +111,7 @@ DOWN_AHEAD = 0
 # wait (`out_proj_smem`, Gluon), at most OUT_PROJ_SMEM_DEPTH steps of 512 columns a program in flight,
 # where the GPU runs it (Hopper on), the slots are zeroed (FUSED_DOWN), the weights take 2 bytes and a
 # program's step is one layout tile wide (GEMV_BLOCK_K); else the Triton kernel, half of each program's
-# rows in registers across the wait. At most 2 steps in flight: the batch-1 step 0.5-1.2 % faster on an
+# rows in registers across the wait. At most 2 steps in flight: the batch-1 step 0.4-1.2 % faster on an
 # H100 at 256 and 4,096 tokens (two runs, session 57), 1.0-1.4 % at 256 and even at 4,096 on an H200
 # (session 55); bench_step_knobs' "out_proj_smem" set.
 OUT_PROJ_SMEM = True

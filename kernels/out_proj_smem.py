@@ -17,7 +17,7 @@ Each program keeps at most DEPTH steps (512 columns of its 4 rows, 4 kB) of copi
 the wait, waiting for the oldest before it asks for the next. With every step in flight at once
 (17 MB from all 544 programs) the attention running beside the launch took longer than the
 projection gained (sessions 55 and 57: the batch-1 step 1-1.5 % slower); at most 2 steps a program,
-it was 0.5-1.2 % faster than the Triton kernel at 256- and 4,096-token contexts on an H100 (two runs),
+it was 0.4-1.2 % faster than the Triton kernel at 256- and 4,096-token contexts on an H100 (two runs),
 1.0-1.4 % at 256 tokens and even at 4,096 on an H200 (docs/PERFORMANCE.md, session 57).
 """
 from __future__ import annotations
