@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-KERNELS = {"_qkv_norm_rope_kernel", "_partition_kernel", "_out_proj_logits_kernel", "_routed_gate_up_kernel"}
+KERNELS = {"_qkv_norm_rope_kernel", "_partition_kernel", "out_proj_logits_smem_kernel", "_routed_gate_up_kernel"}
+TRITON_OUT_PROJ = KERNELS - {"out_proj_logits_smem_kernel"} | {"_out_proj_logits_kernel"}
 
 
 def _report(tmp_path, *args: str) -> dict:
@@ -37,10 +38,11 @@ def test_every_kernel_of_the_batch_1_layer_compiles_for_sm_90(committed):
 
 def test_a_patch_changes_the_kernel_it_reaches(tmp_path, committed):
     """The down GEMM as its own launch (`folded_router.FUSED_DOWN` off): the layer launches it too, the
-    gate/up kernel is shorter, and the q/k/v kernel, which the knob does not reach, compiles as before."""
+    gate/up kernel is shorter, and the q/k/v kernel, which the knob does not reach, compiles as before
+    (the output projection is then the Triton kernel's: the Gluon one zeroes the fused slots)."""
     fused = {r["kernel"]: r for r in committed["rows"]}
     apart = {r["kernel"]: r for r in _report(tmp_path, "--patch", "folded_router.FUSED_DOWN=false")["rows"]}
-    assert set(apart) == KERNELS | {"_down_kernel"}
+    assert set(apart) == TRITON_OUT_PROJ | {"_down_kernel"}
     assert apart["_routed_gate_up_kernel"]["instructions"] < fused["_routed_gate_up_kernel"]["instructions"]
     assert apart["_qkv_norm_rope_kernel"] == fused["_qkv_norm_rope_kernel"]
 
@@ -52,6 +54,15 @@ def test_the_fold_gate_up_programs_sit_two_a_multiprocessor(tmp_path, committed)
     assert per_sm["_routed_gate_up_kernel"] == 2 and all(n >= 1 for n in per_sm.values())
     tuned = _report(tmp_path, "--patch", "folded_router.FOLD_GATE_UP_BLOCK_K=0")
     assert {r["kernel"]: r["per_multiprocessor"] for r in tuned["rows"]}["_routed_gate_up_kernel"] == 5
+
+
+def test_the_output_projection_compiles_in_gluon_or_in_triton(tmp_path, committed):
+    """As a Hopper GPU launches it: the Gluon launch, each program's 4 rows x 4,096 columns (32 kB) in
+    shared memory; with OUT_PROJ_SMEM off, the Triton kernel, its rows in registers."""
+    gluon = {r["kernel"]: r for r in committed["rows"]}["out_proj_logits_smem_kernel"]
+    assert gluon["shared_bytes"] >= 4 * 4096 * 2 and gluon["stack_bytes"] == 0
+    triton_rows = _report(tmp_path, "--patch", "folded_router.OUT_PROJ_SMEM=false")["rows"]
+    assert {r["kernel"] for r in triton_rows} == TRITON_OUT_PROJ
 
 
 def test_programs_a_multiprocessor_takes_the_tightest_limit():

@@ -22,8 +22,8 @@ they take to be placed on 132 multiprocessors ("rounds", 1 where all fit at once
 what Triton's interpreter lets through, such as a name that both branches of a runtime `if` assign
 at different shapes.
 
-On a Hopper GPU the output projection's launch is Gluon's (`out_proj_smem`, `folded_router.OUT_PROJ_SMEM`);
-with CPU tensors `folded_moe` takes the Triton kernel, and that one is reported.
+The output projection is reported as a Hopper GPU launches it: in Gluon (`out_proj_smem`, compiled
+from Gluon's IR); with --patch folded_router.OUT_PROJ_SMEM=false, the Triton kernel.
 
 The kernels run in Triton's interpreter on machines without CUDA (`zipmoe/kernels/__init__.py`), so
 this module runs itself again with the interpreter off when it finds it on.
@@ -75,7 +75,8 @@ def _step_launches() -> list:
     from zipmoe.kernels import folded_router, fused_moe, paged_attention, qkv_norm_rope
     launches: list = []
     kernels = [(qkv_norm_rope, "_qkv_norm_rope_kernel"), (paged_attention, "_partition_kernel"),
-               (folded_router, "_out_proj_logits_kernel"), (folded_router, "_routed_gate_up_kernel"),
+               (folded_router, "_out_proj_logits_kernel"), (folded_router, "out_proj_logits_smem_kernel"),
+               (folded_router, "_routed_gate_up_kernel"),
                (fused_moe, "_down_kernel")]
     cfg = TextConfig.from_dir(REAL_SHAPE_CHECKPOINT)  # Qwen3-VL-30B-A3B's text decoder
     H, HQ, HKV, D, E, TOP_K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k
@@ -83,6 +84,7 @@ def _step_launches() -> list:
     with contextlib.ExitStack() as recorded:
         for module, name in kernels:
             recorded.enter_context(mock.patch.object(module, name, _Recorder(name, getattr(module, name), launches)))
+        recorded.enter_context(mock.patch.object(folded_router, "hopper_or_later", lambda device: True))  # as on sm_90
         bf16 = dict(dtype=torch.bfloat16)
         slots = CONTEXT_BLOCKS * BLOCK
         k_cache, v_cache = (torch.empty(slots, HKV, D, **bf16) for _ in range(2))
@@ -111,13 +113,15 @@ def compile_for_hopper(fn, args: tuple, kwargs: dict):
     these arguments on a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import create_function_from_signature
     target = GPUTarget("cuda", TARGET_ARCH, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def resources(compiled) -> dict:
@@ -178,10 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     rows = report(args.patch, args.device_name)
-    print(f"{'kernel':26} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9} "
+    print(f"{'kernel':27} {'warps':>5} {'stages':>6} {'regs':>5} {'stack B':>8} {'local ops':>9} {'shared B':>9} "
           f"{'instrs':>7} {'per SM':>6} {'programs':>8} {'rounds':>6}")
     for r in rows:
-        print(f"{r['kernel']:26} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>8} "
+        print(f"{r['kernel']:27} {r['num_warps']:>5} {r['num_stages']:>6} {r['registers']:>5} {r['stack_bytes']:>8} "
               f"{r['local_ops']:>9} {r['shared_bytes']:>9} {r['instructions']:>7} {r['per_multiprocessor']:>6} "
               f"{r['programs']:>8} {r['rounds']:>6}")
     if args.out:
