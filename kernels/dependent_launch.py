@@ -93,7 +93,8 @@ def enabled_as(enabled: bool):
 
 @functools.lru_cache(maxsize=None)
 def hopper_or_later(device: torch.device) -> bool:  # cached: an eager prefill step launches thousands of kernels
-    """A CUDA device of compute capability 9.0 or later, outside Triton's interpreter (PDL)."""
+    """A CUDA device of compute capability 9.0 or later, outside Triton's interpreter (PDL; also the
+    Gluon output projection, `out_proj_smem`)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 

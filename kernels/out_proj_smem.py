@@ -22,18 +22,11 @@ it was 0.4-1.2 % faster than the Triton kernel at 256- and 4,096-token contexts 
 """
 from __future__ import annotations
 
-from triton.experimental import gluon
+from .dependent_launch import wait_for_inputs  # a Triton function, which Gluon calls as its own
+
+from triton.experimental import gluon  # after zipmoe.kernels (the package) chose the interpreter on CPU-only machines
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-
-
-@gluon.jit
-def _wait_for_inputs(PDL: gl.constexpr):
-    """`dependent_launch.wait_for_inputs` in Gluon."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -86,7 +79,7 @@ def out_proj_logits_smem_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, 
         _copy_rows(smem, o_ptr, n, H, A, BLOCK_K, DEPTH, layout)
         r = gl.load(res_ptr + n, mask=n < H, other=0.0)
         g = gl.load(norm_ptr + n, mask=n < H, other=0.0)
-        _wait_for_inputs(PDL)
+        wait_for_inputs(PDL)
         async_copy.wait_group(0)
         o = _rows_times(smem, attn_ptr, A, BLOCK_N, BLOCK_K, layout)
         h = (r.to(gl.float32) + o.to(r.dtype).to(gl.float32)).to(r.dtype)
@@ -104,7 +97,7 @@ def out_proj_logits_smem_kernel(attn_ptr, res_ptr, o_ptr, norm_ptr, gate_r_ptr, 
                         mask=gl.expand_dims(e < E, 1), other=0.0)
             x = gl.load(res_ptr + step * BLOCK_K + k).to(gl.float32)
             over_r += w.to(gl.float32) * gl.expand_dims(x, 0)
-        _wait_for_inputs(PDL)
+        wait_for_inputs(PDL)
         async_copy.wait_group(0)
         o = _rows_times(smem, attn_ptr, A, BLOCK_N, BLOCK_K, layout)
         gl.store(logits_ptr + e, gl.sum(over_r, axis=1) + o, mask=e < E)

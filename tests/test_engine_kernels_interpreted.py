@@ -27,9 +27,9 @@ def serve(checkpoint, requests, kernels: bool, folded: list | None = None, **rou
                                              max_model_len=72, max_num_batched_tokens=48, max_num_seqs=4,
                                              **routing))
     if kernels:
-        def counted(*args, **kwargs):
+        def counted(*args):
             folded.append(None)
-            return model.KERNELS.folded_moe(*args, **kwargs)
+            return model.KERNELS.folded_moe(*args)
         eng.model.ops = SimpleNamespace(**{**vars(model.KERNELS), "folded_moe": counted})
     seqs = [eng.add_request(list(ids), SamplingParams(max_tokens=12, ignore_eos=True), visual=copy.deepcopy(visual))
             for ids, visual in requests]
